@@ -1,0 +1,1 @@
+"""The `kite` command line: run the local stack, benchmarks and admin tools."""

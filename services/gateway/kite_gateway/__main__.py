@@ -1,0 +1,69 @@
+"""Gateway entrypoint: connect to NATS, track heartbeats, serve HTTP (and gRPC), drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import uvicorn
+from nats.aio.msg import Msg
+
+from kite_shared import subjects
+from kite_shared.config import GatewayConfig, load
+from kite_shared.messages import Heartbeat, MessageError
+from kite_shared.service import ServiceRuntime, run_service
+from kite_gateway.fleet import Fleet
+from kite_gateway.generation import GenerationClient
+from kite_gateway.http_api import create_app
+
+log = logging.getLogger("kite_gateway")
+
+
+async def start_gateway(rt: ServiceRuntime, cfg: GatewayConfig) -> GenerationClient:
+    fleet = Fleet(dead_after_s=cfg.worker_dead_after_s)
+
+    async def on_heartbeat(msg: Msg) -> None:
+        try:
+            fleet.observe(Heartbeat.decode(msg.data))
+        except MessageError as exc:
+            log.warning("bad heartbeat on %s: %s", msg.subject, exc)
+
+    await rt.nc.subscribe(subjects.HEARTBEAT_WILDCARD, cb=on_heartbeat)
+    client = GenerationClient(nc=rt.nc, fleet=fleet, gateway_id=rt.instance_id.replace(".", "_"),
+                              admit_timeout_s=cfg.admit_timeout_s,
+                              stream_idle_timeout_s=cfg.stream_idle_timeout_s)
+
+    app = create_app(lambda: client, cfg.model_name, cfg.max_n, cfg.max_body_bytes)
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.http_port, log_level="warning",
+                                           access_log=False, lifespan="off"))
+    http_task = asyncio.create_task(server.serve())
+    stoppers = []
+    if cfg.grpc_port:
+        from kite_gateway.grpc_api import start_grpc_server
+
+        grpc_server = await start_grpc_server(client, cfg)
+        stoppers.append(lambda: grpc_server.stop(grace=30))
+
+    async def drain() -> None:
+        # uvicorn stops accepting, then waits for in-flight requests (including streams) to finish.
+        server.should_exit = True
+        for stop in stoppers:
+            await stop()
+        await http_task
+
+    rt.on_drain(drain)
+    log.info("HTTP on http://%s:%d", cfg.host, cfg.http_port)
+    return client
+
+
+def main() -> None:
+    cfg = load(GatewayConfig)
+
+    async def setup(rt: ServiceRuntime) -> None:
+        await start_gateway(rt, cfg)
+
+    run_service("gateway", setup)
+
+
+if __name__ == "__main__":
+    main()

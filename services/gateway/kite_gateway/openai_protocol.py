@@ -1,0 +1,158 @@
+"""OpenAI-compatible request bodies (validated) and response bodies (built from KITE stream events).
+
+Unknown request fields are ignored, as vLLM does, so clients written for newer API versions keep working;
+known fields are validated strictly. Parameters KITE cannot honour (logprobs, penalties, tools) are refused
+with a clear 400 instead of being silently ignored.
+
+Extension fields (send them with the openai client's `extra_body`):
+    kite: {"reuse": false}   compute this request without Upcycle reuse (for comparisons)
+    cache_salt: str          narrows KV sharing to requests carrying the same salt
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kite_shared.messages import ChatMessage, SamplingParams, StreamEnd
+
+MAX_STOP_STRINGS = 4
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class KiteOptions(_Body):
+    reuse: bool = True
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageIn(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def to_message(self) -> ChatMessage:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        # SmolLM2's template (like most) knows "system", not OpenAI's newer "developer" alias.
+        return ChatMessage(role="system" if self.role == "developer" else self.role, content=text)
+
+
+class _SamplingBody(_Body):
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    user: str | None = None
+    cache_salt: str = Field(default="", max_length=256)
+    kite: KiteOptions = Field(default_factory=KiteOptions)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed")
+        return v
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, message) of a parameter KITE cannot honour, if any."""
+        if self.presence_penalty or self.frequency_penalty:
+            param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
+            return param, f"{param} is not supported by KITE; send 0 or omit it"
+        return None
+
+    def sampling(self, max_tokens: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        seed = None if self.seed is None else self.seed % 2**63
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              seed=seed, stop=stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_SamplingBody):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    tools: list[dict] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.logprobs:
+            return "logprobs", "logprobs are not supported by KITE"
+        if self.tools:
+            return "tools", "tool calling is not supported by KITE"
+        return super().unsupported()
+
+    @property
+    def resolved_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_SamplingBody):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.logprobs is not None:
+            return "logprobs", "logprobs are not supported by KITE"
+        if self.echo:
+            return "echo", "echo is not supported by KITE"
+        if self.suffix:
+            return "suffix", "suffix is not supported by KITE"
+        if self.best_of not in (None, 1):
+            return "best_of", "best_of is not supported by KITE"
+        return super().unsupported()
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts to complete: one string, one token list, or a batch of either."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
+def usage_body(ends: list[StreamEnd]) -> dict:
+    """OpenAI usage over all choices: the prompt is counted once per distinct prompt."""
+    prompt = sum(e.usage.prompt_tokens for e in ends[:1]) if ends else 0
+    completion = sum(e.usage.completion_tokens for e in ends)
+    cached = max((e.usage.cached_tokens for e in ends), default=0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def batch_usage_body(ends_per_prompt: list[list[StreamEnd]]) -> dict:
+    parts = [usage_body(ends) for ends in ends_per_prompt]
+    prompt = sum(p["prompt_tokens"] for p in parts)
+    completion = sum(p["completion_tokens"] for p in parts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(p["prompt_tokens_details"]["cached_tokens"]
+                                                           for p in parts)}}
+
+
+def now() -> int:
+    return int(time.time())

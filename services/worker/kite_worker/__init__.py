@@ -1,0 +1,1 @@
+"""KITE worker: runs the model, reuses cached prefix KV (Upcycle), streams tokens, hands new blocks on."""

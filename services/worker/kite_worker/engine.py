@@ -1,0 +1,246 @@
+"""Model execution with Upcycle reuse: inject cached prefix KV, compute only the rest, keep new blocks.
+
+Boundary: the engine knows the model, the tokenizer and the worker-local `BlockCache`; it knows nothing
+of NATS or threads (the scheduler drives it, one call at a time, from one thread).
+
+Prefill of a request:
+  1. verify the fingerprinter's block hashes against our own model identity and the token ids (a wrong
+     hash would poison the cache, so the worker never trusts them blindly; recomputing costs < 1 ms);
+  2. find the longest run of leading blocks in the local cache; reuse at most len(prompt) - 1 tokens, so the
+     last prompt token is always computed and its logits exist (a full-prompt hit crops the last block);
+  3. compute the remaining prompt tokens in chunks of `prefill_chunk_tokens` (the scheduler interleaves
+     other requests' decode steps between chunks, so one long prompt does not stall every stream);
+  4. sample the first token; then the scheduler calls `store_prompt_blocks` *after* the first token is
+     on its way, so packaging never delays time to first token.
+At the end of generation, full blocks covering prompt + answer are kept too (KITE_WORKER_CACHE_GENERATED),
+so the next turn of a chat reuses the answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from kite_shared.fingerprint import BlockHash, block_hash_chain
+from kite_shared.messages import TokenizedRequest
+from kite_shared.model_store import ModelIdentity
+from kite_worker.block_cache import BlockCache
+from kite_worker.detokenize import IncrementalDetokenizer, StopStringMatcher
+from kite_worker.kv_blocks import build_cache, extract_blocks
+from kite_worker.sampling import make_generator, sample
+
+log = logging.getLogger(__name__)
+
+
+class RequestRejected(ValueError):
+    """The request cannot be run as sent (e.g. fingerprint mismatch); carries an error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class NewBlock:
+    """A block computed here, for the local cache and the ru-pool."""
+
+    block_hash: BlockHash
+    parent_hash: bytes
+    block_index: int
+    kv: torch.Tensor  # [L, 2, H, block_size, D] in the storage dtype
+
+
+@dataclass
+class Sequence:
+    request: TokenizedRequest
+    prompt_ids: list[int]
+    prompt_hashes: list[BlockHash]
+    reuse: bool
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher
+    admitted_at: float = field(default_factory=time.monotonic)
+    cache: DynamicCache | None = None
+    num_computed: int = 0  # prompt + generated positions whose KV is in `cache`
+    num_cached_tokens: int = 0  # prompt tokens reused instead of computed
+    num_prompt_blocks_cached: int = 0  # leading prompt blocks that came from the cache
+    generated: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    first_token_logits: torch.Tensor | None = None  # kept only when the engine is asked to (tests)
+    finish_reason: str | None = None
+    final_text: str = ""  # text released when the sequence finished
+    final_token_ids: list[int] = field(default_factory=list)  # the finishing token, unless it was EOS
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prefilling(self) -> bool:
+        return not self.generated
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    reuse: bool = True  # deployment switch (KITE_REUSE)
+    block_size: int = 16
+    storage_dtype: torch.dtype = torch.float16
+    prefill_chunk_tokens: int = 512
+    cache_generated: bool = True
+    keep_first_logits: bool = False  # for equivalence tests
+
+
+class Engine:
+    def __init__(self, model, tokenizer, identity: ModelIdentity, block_cache: BlockCache,
+                 options: EngineOptions, max_context_tokens: int) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.identity = identity
+        self.block_cache = block_cache
+        self.options = options
+        self.max_context_tokens = max_context_tokens
+        self.compute_dtype = next(model.parameters()).dtype
+        eos = model.generation_config.eos_token_id if model.generation_config else None
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if tokenizer.eos_token_id is not None:
+            eos_ids.add(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos_ids)
+        self.num_prompt_tokens_computed = 0
+        self.num_prompt_tokens_reused = 0
+
+    # --- admission ---------------------------------------------------------------------------------
+
+    def new_sequence(self, request: TokenizedRequest) -> Sequence:
+        if request.model_fingerprint != self.identity.fingerprint_hex:
+            raise RequestRejected(
+                "model_mismatch", "the fingerprinter and this worker disagree on the model fingerprint")
+        if request.block_size != self.options.block_size:
+            raise RequestRejected("model_mismatch", "block size differs between fingerprinter and worker")
+        prompt = list(request.prompt_token_ids)
+        if not prompt:
+            raise RequestRejected("invalid_prompt", "the prompt has no tokens")
+        if len(prompt) + (request.sampling.max_tokens or 0) > self.max_context_tokens:
+            raise RequestRejected("context_length_exceeded", "prompt plus max_tokens exceed the context")
+        hashes = block_hash_chain(prompt, self.options.block_size, self.identity.root,
+                                  request.cache_salt)
+        if [bytes(h) for h in hashes] != list(request.block_hashes):
+            raise RequestRejected("fingerprint_mismatch", "block hashes do not match the prompt tokens")
+        return Sequence(
+            request=request, prompt_ids=prompt, prompt_hashes=hashes,
+            reuse=self.options.reuse and request.reuse,
+            generator=make_generator(request.sampling),
+            detokenizer=IncrementalDetokenizer(self._decode),
+            stops=StopStringMatcher(request.sampling.stop),
+        )
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # --- prefill -------------------------------------------------------------------------------------
+
+    def prefill_step(self, seq: Sequence) -> int | None:
+        """Compute the next prompt chunk; returns the first generated token once the prompt is done."""
+        with torch.inference_mode():
+            if seq.cache is None:
+                self._inject_cached_prefix(seq)
+            prompt_len = len(seq.prompt_ids)
+            end = min(prompt_len, seq.num_computed + self.options.prefill_chunk_tokens)
+            logits = self._forward(seq, seq.prompt_ids[seq.num_computed:end])
+            self.num_prompt_tokens_computed += end - seq.num_computed
+            seq.num_computed = end
+            if end < prompt_len:
+                return None
+            if self.options.keep_first_logits:
+                seq.first_token_logits = logits.clone()
+            return sample(logits, seq.request.sampling, seq.generator)
+
+    def _inject_cached_prefix(self, seq: Sequence) -> None:
+        num_blocks = self.block_cache.longest_prefix(seq.prompt_hashes) if seq.reuse else 0
+        num_tokens = min(num_blocks * self.options.block_size, len(seq.prompt_ids) - 1)
+        seq.num_prompt_blocks_cached = num_blocks
+        if num_tokens <= 0:
+            seq.cache = DynamicCache()
+            return
+        needed = -(-num_tokens // self.options.block_size)
+        blocks = self.block_cache.get_prefix(seq.prompt_hashes[:needed])
+        seq.cache = build_cache(blocks, num_tokens, self.compute_dtype)
+        seq.num_computed = num_tokens
+        seq.num_cached_tokens = num_tokens
+        self.num_prompt_tokens_reused += num_tokens
+
+    def _forward(self, seq: Sequence, token_ids: list[int]) -> torch.Tensor:
+        start = seq.num_computed
+        input_ids = torch.tensor([token_ids], dtype=torch.long)
+        positions = torch.arange(start, start + len(token_ids), dtype=torch.long).unsqueeze(0)
+        out = self.model(input_ids=input_ids, cache=seq.cache, position_ids=positions, use_cache=True)
+        seq.cache = out.cache
+        return out.logits[0, -1]
+
+    # --- decode ----------------------------------------------------------------------------------------
+
+    def decode_step(self, seq: Sequence) -> int:
+        """Feed the last generated token and sample the next one."""
+        with torch.inference_mode():
+            logits = self._forward(seq, [seq.generated[-1]])
+            seq.num_computed += 1
+            return sample(logits, seq.request.sampling, seq.generator)
+
+    def accept_token(self, seq: Sequence, token_id: int) -> tuple[str, bool]:
+        """Record a sampled token; returns (text to stream now, finished)."""
+        if seq.first_token_at is None:
+            seq.first_token_at = time.monotonic()
+        params = seq.request.sampling
+        if token_id in self.eos_token_ids and not params.ignore_eos:
+            seq.finish_reason = "stop"
+            return seq.stops.flush(), True
+        seq.generated.append(token_id)
+        text, stopped = seq.stops.feed(seq.detokenizer.add(token_id))
+        if stopped:
+            seq.finish_reason = "stop"
+            return text, True
+        if len(seq.generated) >= (params.max_tokens or 0) or \
+                len(seq.prompt_ids) + len(seq.generated) >= self.max_context_tokens:
+            seq.finish_reason = "length"
+            return text + seq.stops.flush(), True
+        return text, False
+
+    # --- keeping blocks ----------------------------------------------------------------------------------
+
+    def store_prompt_blocks(self, seq: Sequence) -> list[NewBlock]:
+        """Keep the prompt's newly computed full blocks; returns them for the ru-pool."""
+        if not seq.reuse:
+            return []
+        return self._store(seq, seq.prompt_hashes, seq.num_prompt_blocks_cached)
+
+    def store_generated_blocks(self, seq: Sequence) -> list[NewBlock]:
+        """Keep full blocks of prompt + answer whose KV exists (all but the last sampled token)."""
+        if not (seq.reuse and self.options.cache_generated) or seq.cache is None:
+            return []
+        ids = seq.prompt_ids + seq.generated
+        num_blocks = min(len(ids), seq.num_computed) // self.options.block_size
+        first_new = len(seq.prompt_hashes)
+        if num_blocks <= first_new:
+            return []
+        hashes = block_hash_chain(ids[:num_blocks * self.options.block_size], self.options.block_size,
+                                  self.identity.root, seq.request.cache_salt)
+        return self._store(seq, hashes, first_new)
+
+    def _store(self, seq: Sequence, hashes: list[BlockHash], first_new: int) -> list[NewBlock]:
+        # Blocks another request stored meanwhile are skipped (computed once, kept once).
+        missing = [i for i in range(first_new, len(hashes)) if hashes[i] not in self.block_cache]
+        if not missing:
+            return []
+        with torch.inference_mode():
+            tensors = extract_blocks(seq.cache, missing[0], missing[-1] + 1, self.options.block_size,
+                                     self.options.storage_dtype)
+        new_blocks = []
+        for i in missing:
+            kv = tensors[i - missing[0]]
+            if self.block_cache.put(hashes[i], kv):
+                parent = hashes[i - 1] if i > 0 else self.identity.root
+                new_blocks.append(NewBlock(hashes[i], parent, i, kv))
+        return new_blocks

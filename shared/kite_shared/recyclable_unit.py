@@ -1,0 +1,164 @@
+"""Recyclable units (RUs): one KV block for all layers plus the metadata that proves what it is.
+
+Binary format, version 1 (all integers big-endian; no pickle anywhere, so decoding untrusted bytes
+cannot run code):
+
+    offset 0   4 bytes   magic b"KRU" + format version byte (0x01)
+    offset 4   4 bytes   header length H (uint32)
+    offset 8   H bytes   msgpack map (the header):
+                 block_hash        bin(32)  the block's CF hash (kite_shared.fingerprint)
+                 parent_hash       bin(32)  hash of the previous block (the chain root for block 0)
+                 model_fingerprint str      hex root digest of model state + execution path
+                 block_index       int      position of the block in its sequence (0-based)
+                 num_tokens        int      tokens in the block (= block size; only full blocks are RUs)
+                 created_at        float    unix seconds
+                 codec             str      "fp16" | "bf16" | "fp32": element type of the payload
+                 shape             [int]*5  [num_layers, 2 (key, value), num_kv_heads, num_tokens, head_dim]
+                 checksum          bin(32)  SHA-256 of the payload bytes
+    offset 8+H           payload: the tensor, C order, little-endian elements
+
+`decode` checks magic, version, header types, that the shape matches num_tokens and the codec's element
+size matches the payload length, and the checksum, and (when given) that the block hash is the one asked
+for. Anything else raises a subclass of `RUError`: callers treat that as a miss, never as a load.
+
+Pure logic: no I/O, no torch (the worker turns payloads into tensors with `torch.frombuffer`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+import time
+from dataclasses import dataclass, field
+
+import msgpack
+
+MAGIC = b"KRU"
+FORMAT_VERSION = 1
+_PREAMBLE = struct.Struct(">3sBI")  # magic, version, header length
+MAX_HEADER_BYTES = 4096
+
+CODEC_ITEM_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+TORCH_DTYPE_TO_CODEC = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+
+
+class RUError(ValueError):
+    """Bytes that are not a valid, intact recyclable unit."""
+
+
+class RUFormatError(RUError):
+    """Wrong magic, version, header, shape or size."""
+
+
+class RUChecksumError(RUError):
+    """The payload does not match its checksum: corrupted in storage or transit."""
+
+
+class RUKeyMismatchError(RUError):
+    """A valid unit, but not the block (or model) that was asked for."""
+
+
+@dataclass(frozen=True)
+class RecyclableUnit:
+    block_hash: bytes
+    parent_hash: bytes
+    model_fingerprint: str
+    block_index: int
+    num_tokens: int
+    codec: str
+    shape: tuple[int, int, int, int, int]
+    payload: bytes  # raw tensor bytes (see module docstring)
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def num_bytes(self) -> int:
+        return len(self.payload)
+
+    def checksum(self) -> bytes:
+        return hashlib.sha256(self.payload).digest()
+
+    def encode(self) -> bytes:
+        _check_geometry(self.codec, self.shape, self.num_tokens, len(self.payload))
+        header = msgpack.packb({
+            "block_hash": self.block_hash,
+            "parent_hash": self.parent_hash,
+            "model_fingerprint": self.model_fingerprint,
+            "block_index": self.block_index,
+            "num_tokens": self.num_tokens,
+            "created_at": self.created_at,
+            "codec": self.codec,
+            "shape": list(self.shape),
+            "checksum": self.checksum(),
+        }, use_bin_type=True)
+        return _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header)) + header + self.payload
+
+
+def _check_geometry(codec: str, shape: tuple[int, ...], num_tokens: int, payload_len: int) -> None:
+    if codec not in CODEC_ITEM_BYTES:
+        raise RUFormatError(f"unknown codec {codec!r}")
+    if len(shape) != 5 or any(not isinstance(d, int) or d <= 0 for d in shape):
+        raise RUFormatError(f"shape must be 5 positive ints, got {shape!r}")
+    if shape[1] != 2:
+        raise RUFormatError("shape[1] must be 2 (key and value)")
+    if shape[3] != num_tokens:
+        raise RUFormatError(f"shape says {shape[3]} tokens, header says {num_tokens}")
+    expected = math.prod(shape) * CODEC_ITEM_BYTES[codec]
+    if payload_len != expected:
+        raise RUFormatError(f"payload is {payload_len} bytes, shape and codec need {expected}")
+
+
+def decode(data: bytes, expected_hash: bytes | None = None,
+           expected_model: str | None = None) -> RecyclableUnit:
+    """Parse and verify `data`; see the module docstring for what is checked."""
+    if len(data) < _PREAMBLE.size:
+        raise RUFormatError("too short for a recyclable unit")
+    magic, version, header_len = _PREAMBLE.unpack_from(data)
+    if magic != MAGIC:
+        raise RUFormatError("bad magic: not a recyclable unit")
+    if version != FORMAT_VERSION:
+        raise RUFormatError(f"unsupported format version {version}")
+    if header_len > MAX_HEADER_BYTES or _PREAMBLE.size + header_len > len(data):
+        raise RUFormatError("header length out of range")
+    try:
+        header = msgpack.unpackb(data[_PREAMBLE.size:_PREAMBLE.size + header_len], raw=False)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise RUFormatError(f"header is not msgpack: {exc}") from None
+    if not isinstance(header, dict):
+        raise RUFormatError("header must be a map")
+    try:
+        unit = RecyclableUnit(
+            block_hash=_typed(header, "block_hash", bytes),
+            parent_hash=_typed(header, "parent_hash", bytes),
+            model_fingerprint=_typed(header, "model_fingerprint", str),
+            block_index=_typed(header, "block_index", int),
+            num_tokens=_typed(header, "num_tokens", int),
+            created_at=float(_typed(header, "created_at", (int, float))),
+            codec=_typed(header, "codec", str),
+            shape=tuple(_typed(header, "shape", list)),  # type: ignore[arg-type]
+            payload=bytes(memoryview(data)[_PREAMBLE.size + header_len:]),
+        )
+        checksum = _typed(header, "checksum", bytes)
+    except (TypeError, ValueError) as exc:
+        raise RUFormatError(str(exc)) from None
+    if len(unit.block_hash) != 32 or len(unit.parent_hash) != 32:
+        raise RUFormatError("block and parent hashes must be 32 bytes")
+    if unit.block_index < 0:
+        raise RUFormatError("negative block index")
+    _check_geometry(unit.codec, unit.shape, unit.num_tokens, len(unit.payload))
+    if unit.checksum() != checksum:
+        raise RUChecksumError("payload checksum mismatch")
+    if expected_hash is not None and unit.block_hash != expected_hash:
+        raise RUKeyMismatchError("unit holds a different block than requested")
+    if expected_model is not None and unit.model_fingerprint != expected_model:
+        raise RUKeyMismatchError("unit belongs to a different model fingerprint")
+    return unit
+
+
+def _typed(header: dict, key: str, kind: type | tuple[type, ...]):
+    if key not in header:
+        raise ValueError(f"header lacks {key!r}")
+    value = header[key]
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ValueError(f"header field {key!r} has the wrong type")
+    return value

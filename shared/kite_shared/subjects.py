@@ -1,0 +1,76 @@
+"""Every NATS subject KITE uses, in one place.
+
+Subjects are versioned (`kite.v1.`) so a future wire change can run beside the old one. Queue groups make
+a subject load-balanced across replicas: running more processes of a service is how it scales.
+
+Request path (each arrow is a NATS request/reply, so "nobody listening" is an immediate NoRespondersError,
+never a timeout):
+
+    gateway --FINGERPRINT--> fingerprinter --WORKER_GENERATE--> worker
+    worker  --stream_subject(gateway, request)--> gateway          (token chunks, then end or error)
+"""
+
+from __future__ import annotations
+
+PREFIX = "kite.v1"
+
+# gateway -> fingerprinter (queue group FINGERPRINTER_QUEUE); reply: messages.Admission
+FINGERPRINT = f"{PREFIX}.fingerprint"
+FINGERPRINTER_QUEUE = "fingerprinter"
+
+# fingerprinter -> any worker (queue group WORKER_QUEUE); reply: messages.Admission
+WORKER_GENERATE = f"{PREFIX}.worker.generate"
+WORKER_QUEUE = "worker"
+
+# gateway -> every worker: stop generating a request whose client went away (messages.Cancel)
+WORKER_CANCEL = f"{PREFIX}.worker.cancel"
+
+# worker -> ru-pool (queue group RU_POOL_QUEUE): an encoded recyclable unit (kite_shared.recyclable_unit)
+POOL_PUT = f"{PREFIX}.pool.put"
+RU_POOL_QUEUE = "ru-pool"
+
+# every service -> anyone: messages.Heartbeat, one subject per service kind
+HEARTBEAT_WILDCARD = f"{PREFIX}.heartbeat.>"
+
+# telemetry and decisions (arbitrator)
+TELEMETRY_WILDCARD = f"{PREFIX}.telemetry.>"
+DECISIONS = f"{PREFIX}.arbitrator.decisions"
+
+SERVICES = ("gateway", "fingerprinter", "worker", "ru-pool", "arbitrator")
+
+
+def heartbeat(service: str) -> str:
+    return f"{PREFIX}.heartbeat.{service}"
+
+
+def ping(service: str) -> str:
+    """Request/reply health probe answered by one replica of `service` (messages.Pong)."""
+    return f"{PREFIX}.{service}.ping"
+
+
+def stream(gateway_id: str, request_id: str) -> str:
+    """Per-request subject on which the worker streams events back to the gateway that asked."""
+    return f"{PREFIX}.stream.{_token(gateway_id)}.{_token(request_id)}"
+
+
+def _token(part: str) -> str:
+    # NATS subject tokens may not contain '.', '*', '>' or whitespace.
+    if not part or any(c in part for c in ".*> \t\r\n"):
+        raise ValueError(f"not a valid NATS subject token: {part!r}")
+    return part
+
+
+# --- ru-pool -----------------------------------------------------------------------------------------
+# All ru-pool subjects use queue group RU_POOL_QUEUE. One ru-pool replica per deployment: its index is
+# in-process (rebuilt from the tiers on restart), so replicas would each know only part of the pool.
+
+# anyone -> ru-pool, request/reply: messages.PoolLookupRequest -> messages.PoolLookupReply
+POOL_LOOKUP = f"{PREFIX}.pool.lookup"
+# anyone -> ru-pool, request/reply: messages.PoolGetRequest -> messages.PoolGetReply
+POOL_GET = f"{PREFIX}.pool.get"
+# admin tools -> ru-pool, request/reply: messages.PoolAdminRequest -> messages.PoolAdminReply
+POOL_ADMIN = f"{PREFIX}.pool.admin"
+# worker -> ru-pool: messages.BlockStored / messages.BlockRemoved (decode with decode_block_event)
+POOL_BLOCK_EVENTS = f"{PREFIX}.pool.block_events"
+# fingerprinter -> everyone (no queue group at the receivers): messages.ModelFingerprintChanged
+MODEL_FINGERPRINT = f"{PREFIX}.model.fingerprint"

@@ -1,0 +1,198 @@
+"""The interface every remote tier (warm, cold) shares, and the policy that keeps tiers off request paths.
+
+Every operation is bounded by a per-tier timeout and guarded by `TierHealth`: an error or timeout marks
+the tier down and the operation returns its "miss" value (None / False) instead of raising; while down,
+operations return the miss value at once, without I/O, until the backoff allows one probe. Listing (used
+by index rebuilds and purges, never by request paths) raises `TierUnavailable` so a rebuild knows it is
+incomplete.
+
+Reads that feed KV into a model go through `get_verified` / `get_unit`, which decode the unit with the
+expected block hash and model fingerprint. A unit that fails is counted, deleted from the tier and
+reported as a miss: corrupted bytes are never loaded.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
+
+from kite_shared import recyclable_unit
+from kite_shared.tiers import metrics
+from kite_shared.tiers.health import TierHealth
+from kite_shared.tiers.keys import BlockKey
+
+log = logging.getLogger(__name__)
+R = TypeVar("R")
+
+
+class TierUnavailable(RuntimeError):
+    """A listing could not complete because the tier is down or failed mid-way."""
+
+
+@dataclass(frozen=True)
+class StoredBlock:
+    """One entry found by listing a tier."""
+
+    key: BlockKey
+    size: int  # bytes of the encoded unit
+    idle_s: float | None  # seconds since the last write or hit, when the tier can tell
+    pinned: bool = False  # warm only: stored without expiry
+
+
+class RemoteTier(abc.ABC):
+    """A tier behind the network or the disk; subclasses implement the underscored primitives."""
+
+    name: str = "remote"
+
+    def __init__(self, timeout_s: float, backoff_max_s: float = 30.0, initial_backoff_s: float = 0.5,
+                 list_timeout_s: float | None = None) -> None:
+        self.timeout_s = timeout_s
+        self.list_timeout_s = list_timeout_s or max(10 * timeout_s, 5.0)
+        self.health = TierHealth(self.name, initial_backoff_s, backoff_max_s)
+        self.integrity_failures = 0
+        self.hits = 0
+        self.misses = 0
+        self._on_recover: list[Callable[[], None]] = []
+
+    @property
+    def up(self) -> bool:
+        return self.health.up
+
+    def on_recover(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (synchronously, keep it cheap) each time the tier comes back up."""
+        self._on_recover.append(callback)
+
+    # --- primitives -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def _get(self, key: BlockKey) -> bytes | None: ...
+
+    @abc.abstractmethod
+    async def _put(self, key: BlockKey, data: bytes, pinned: bool) -> None: ...
+
+    @abc.abstractmethod
+    async def _delete(self, keys: list[BlockKey]) -> int: ...
+
+    @abc.abstractmethod
+    async def _exists(self, key: BlockKey) -> bool: ...
+
+    @abc.abstractmethod
+    async def _list_page(self, model_tag: str | None, cursor: object | None
+                         ) -> tuple[list[StoredBlock], object | None]:
+        """One page of entries and the cursor of the next page (None when done)."""
+
+    @abc.abstractmethod
+    async def _ping(self) -> None: ...
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    # --- guarded operations -----------------------------------------------------------------------
+    async def _op(self, what: str, fn: Callable[[], Awaitable[R]], miss: R,
+                  timeout_s: float | None = None) -> R:
+        if not self.health.should_try():
+            return miss
+        try:
+            result = await asyncio.wait_for(fn(), timeout_s or self.timeout_s)
+        except asyncio.CancelledError:
+            self.health.release_probe()
+            raise
+        except Exception as exc:  # any client error means the same thing here: treat as down
+            if self.health.failure():
+                log.warning("%s tier down (%s failed: %r); answering misses, retry in %.1f s",
+                            self.name, what, exc, self.health.backoff_s)
+            else:
+                log.debug("%s tier still down (%s failed: %r); next retry in %.1f s",
+                          self.name, what, exc, self.health.backoff_s)
+            return miss
+        if self.health.success():
+            log.info("%s tier back up", self.name)
+            for callback in self._on_recover:
+                try:
+                    callback()
+                except Exception:
+                    log.exception("%s tier recovery callback failed", self.name)
+        return result
+
+    async def get(self, key: BlockKey) -> bytes | None:
+        """Raw bytes (unverified) or None: absent, down, timed out."""
+        return await self._op("get", lambda: self._get(key), None)
+
+    async def put(self, key: BlockKey, data: bytes, pinned: bool = False) -> bool:
+        async def do() -> bool:
+            await self._put(key, data, pinned)
+            return True
+        ok = await self._op("put", do, False)
+        if ok:
+            metrics.TIER_BYTES.labels(self.name, "write").inc(len(data))
+        return ok
+
+    async def delete(self, key: BlockKey) -> bool:
+        return await self.delete_many([key]) > 0
+
+    async def delete_many(self, keys: list[BlockKey]) -> int:
+        if not keys:
+            return 0
+        return await self._op("delete", lambda: self._delete(keys), 0, self.list_timeout_s)
+
+    async def exists(self, key: BlockKey) -> bool:
+        return await self._op("exists", lambda: self._exists(key), False)
+
+    async def ping(self) -> bool:
+        """Probe the tier (respecting the backoff); True when it answered."""
+        async def do() -> bool:
+            await self._ping()
+            return True
+        return await self._op("ping", do, False)
+
+    async def iter_keys(self, model_tag: str | None = None) -> AsyncIterator[StoredBlock]:
+        """Every stored block (of one model tag, or all). Raises TierUnavailable if it cannot finish."""
+        cursor: object | None = None
+        while True:
+            page = await self._op("list", lambda: self._list_page(model_tag, cursor), None,
+                                  self.list_timeout_s)
+            if page is None:
+                raise TierUnavailable(f"{self.name} tier listing failed or tier is down")
+            items, cursor = page
+            for item in items:
+                yield item
+            if cursor is None:
+                return
+
+    # --- verified reads ---------------------------------------------------------------------------
+    async def get_unit(self, model_fingerprint: str, block_hash: bytes
+                       ) -> tuple[recyclable_unit.RecyclableUnit, bytes] | None:
+        """The verified unit and its encoded bytes, or None (absent, down, or failed verification:
+        then counted in kite_tier_integrity_failures_total and deleted)."""
+        started = time.perf_counter()
+        key = BlockKey.of(model_fingerprint, block_hash)
+        data = await self.get(key)
+        if data is None:
+            self.misses += 1
+            metrics.TIER_MISSES.labels(self.name).inc()
+            return None
+        try:
+            unit = recyclable_unit.decode(data, expected_hash=bytes(block_hash),
+                                          expected_model=model_fingerprint)
+        except recyclable_unit.RUError as exc:
+            self.integrity_failures += 1
+            self.misses += 1
+            metrics.TIER_INTEGRITY_FAILURES.labels(self.name).inc()
+            metrics.TIER_MISSES.labels(self.name).inc()
+            log.warning("%s tier: block %s failed verification (%s: %s); deleted, treated as a miss",
+                        self.name, key.short(), type(exc).__name__, exc)
+            await self.delete(key)
+            return None
+        self.hits += 1
+        metrics.TIER_HITS.labels(self.name).inc()
+        metrics.TIER_BYTES.labels(self.name, "read").inc(len(data))
+        metrics.TIER_FETCH_SECONDS.labels(self.name).observe(time.perf_counter() - started)
+        return unit, data
+
+    async def get_verified(self, model_fingerprint: str, block_hash: bytes) -> bytes | None:
+        """Encoded bytes of the block after verification, or None (see get_unit)."""
+        found = await self.get_unit(model_fingerprint, block_hash)
+        return None if found is None else found[1]

@@ -1,0 +1,90 @@
+"""The warm + cold tiers as configured (TierConfig), for the ru-pool and for workers reading directly.
+
+A worker that got a PoolLookupReply can fetch the blocks itself: `fetch_chain` reads them from warm, then
+cold, verifying each one, concurrently, and stops at the first block it cannot get. It never writes:
+the ru-pool owns writes, promotion and deletion (except that a unit failing verification is deleted by
+whoever read it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Sequence
+
+from kite_shared.config import TierConfig
+from kite_shared.tiers.base import RemoteTier
+from kite_shared.tiers.cold import LocalDirTier, S3Tier
+from kite_shared.tiers.warm import RedisTier
+
+log = logging.getLogger(__name__)
+
+
+class TierClient:
+    def __init__(self, warm: RedisTier | None, cold: S3Tier | LocalDirTier | None) -> None:
+        self.warm = warm
+        self.cold = cold
+
+    @classmethod
+    def from_config(cls, cfg: TierConfig, with_cold: bool = True) -> "TierClient":
+        warm = None
+        if cfg.redis_url:
+            warm = RedisTier(cfg.redis_url, ttl_s=cfg.warm_ttl_s, timeout_s=cfg.timeout_s,
+                             backoff_max_s=cfg.backoff_max_s)
+        else:
+            log.warning("warm tier off: KITE_REDIS_URL is empty (blocks go from hot straight to cold)")
+        cold: S3Tier | LocalDirTier | None = None
+        if with_cold:
+            if cfg.s3_endpoint:
+                cold = S3Tier(cfg.s3_endpoint, cfg.s3_bucket, cfg.s3_prefix, cfg.s3_region,
+                              timeout_s=cfg.cold_timeout_s, backoff_max_s=cfg.backoff_max_s)
+            else:
+                cold = LocalDirTier(cfg.cold_dir, cfg.s3_prefix, timeout_s=cfg.cold_timeout_s,
+                                    backoff_max_s=cfg.backoff_max_s)
+            log.info("cold tier: %s", cold.describe())
+        return cls(warm, cold)
+
+    @property
+    def tiers(self) -> list[RemoteTier]:
+        return [t for t in (self.warm, self.cold) if t is not None]
+
+    async def start(self) -> None:
+        """Create the cold bucket/folder if needed and probe the warm tier; failures only mark down."""
+        if self.cold is not None:
+            await self.cold.ensure_bucket()
+        if self.warm is not None:
+            await self.warm.ping()
+
+    async def close(self) -> None:
+        for tier in self.tiers:
+            await tier.close()
+
+    async def fetch(self, model_fingerprint: str, block_hash: bytes,
+                    tiers: str = "wc") -> tuple[bytes, str] | None:
+        """Verified encoded unit and the tier letter it came from ("w" or "c"), trying `tiers` in order."""
+        for letter in tiers:
+            tier = self.warm if letter == "w" else self.cold if letter == "c" else None
+            if tier is None:
+                continue
+            data = await tier.get_verified(model_fingerprint, block_hash)
+            if data is not None:
+                return data, letter
+        return None
+
+    async def fetch_chain(self, model_fingerprint: str, block_hashes: Sequence[bytes],
+                          concurrency: int = 8) -> list[bytes]:
+        """Verified units of the leading blocks that could be fetched (stops at the first miss)."""
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(h: bytes) -> bytes | None:
+            async with sem:
+                found = await self.fetch(model_fingerprint, h)
+                return None if found is None else found[0]
+
+        results = await asyncio.gather(*(one(h) for h in block_hashes))
+        out: list[bytes] = []
+        for data in results:
+            if data is None:
+                break
+            out.append(data)
+        return out
