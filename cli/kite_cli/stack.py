@@ -32,6 +32,7 @@ class StackOptions:
     num_workers: int = 1
     host: str = "127.0.0.1"
     with_redis: bool = True  # start a redis-server for the warm tier when one is installed
+    services: tuple[str, ...] = ("fingerprinter", "ru-pool", "arbitrator", "gateway")  # besides workers
     env: dict[str, str] = field(default_factory=dict)  # extra KITE_* settings for every service
     log_dir: Path | None = None
 
@@ -82,7 +83,7 @@ class LocalStack:
         if self.options.with_redis and "KITE_REDIS_URL" not in self.options.env \
                 and find_binary("redis-server"):
             self.redis = start_redis(log_file=self.log_dir / "redis-server.log")
-        for name in ("fingerprinter", "ru-pool", "arbitrator", "gateway"):
+        for name in self.options.services:
             self.start_service(name)
         for _ in range(self.options.num_workers):
             self.start_worker()

@@ -140,7 +140,7 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
         generations = await gather_open(client(), [params] * body.n)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return _sse(_chat_stream(response_id, body, generations, started))
+            return _sse(_chat_stream(response_id, body, generations, started), _worker_header(generations))
         results = await asyncio.gather(*(collect(g) for g in generations))
         _observe([end for _, end in results], generations, started)
         return JSONResponse({
@@ -149,7 +149,7 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
                          "logprobs": None, "finish_reason": end.finish_reason}
                         for i, (text, end) in enumerate(results)],
             "usage": usage_body([end for _, end in results]),
-        })
+        }, headers=_worker_header(generations))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -168,7 +168,8 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
         generations = await gather_open(client(), params)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return _sse(_completion_stream(response_id, body, generations, started))
+            return _sse(_completion_stream(response_id, body, generations, started),
+                        _worker_header(generations))
         results = await asyncio.gather(*(collect(g) for g in generations))
         ends = [end for _, end in results]
         _observe(ends, generations, started)
@@ -177,7 +178,7 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
             "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": end.finish_reason}
                         for i, (text, end) in enumerate(results)],
             "usage": batch_usage_body([ends[i:i + body.n] for i in range(0, len(ends), body.n)]),
-        })
+        }, headers=_worker_header(generations))
 
     return app
 
@@ -194,14 +195,19 @@ def _observe(ends: list[StreamEnd], generations: list[Generation], started: floa
         CACHED_TOKENS.labels("computed").inc(end.usage.prompt_tokens - end.usage.cached_tokens)
 
 
-def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+def _worker_header(generations: list[Generation]) -> dict[str, str]:
+    # Which worker(s) served the request: for operators and for tests of load balancing.
+    return {"X-Kite-Worker": ",".join(sorted({g.worker_id for g in generations}))}
+
+
+def _sse(events: AsyncIterator[dict], headers: dict[str, str]) -> StreamingResponse:
     async def body() -> AsyncIterator[bytes]:
         async for event in events:
             yield b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
 
 async def _merged(generations: list[Generation]) -> AsyncIterator[tuple[int, TokenChunk | StreamEnd]]:

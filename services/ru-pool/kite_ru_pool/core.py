@@ -341,6 +341,11 @@ class PoolCore:
             self.hot.pin(key)
         return keys
 
+    def restore_pin(self, key: BlockKey) -> None:
+        """A pin found in storage (a warm block without expiry) during an index rebuild."""
+        self._pins.add(key)
+        self.hot.pin(key)
+
     def unpin(self, model_fingerprint: str, chain: Iterable[bytes]) -> list[BlockKey]:
         keys = [BlockKey.of(model_fingerprint, h) for h in chain]
         for key in keys:
@@ -351,6 +356,9 @@ class PoolCore:
     # --- models -----------------------------------------------------------------------------------
     def is_invalidated(self, model_fingerprint: str) -> bool:
         return model_tag(model_fingerprint) in self._invalidated
+
+    def is_tag_invalidated(self, tag: str) -> bool:
+        return tag in self._invalidated
 
     def model_fingerprint_changed(self, name: str, fingerprint: str, previous: str = "") -> list[str]:
         """Record `fingerprint` as current for `name`; returns the model tags now invalidated."""

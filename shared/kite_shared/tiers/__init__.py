@@ -25,7 +25,7 @@ _LAZY = {
     "RemoteTier": "kite_shared.tiers.base", "StoredBlock": "kite_shared.tiers.base",
     "TierUnavailable": "kite_shared.tiers.base", "TierClient": "kite_shared.tiers.client",
     "LocalDirTier": "kite_shared.tiers.cold", "S3Tier": "kite_shared.tiers.cold",
-    "RedisTier": "kite_shared.tiers.warm",
+    "RedisTier": "kite_shared.tiers.warm", "PoolClient": "kite_shared.tiers.pool_client",
 }
 
 __all__ = ["BlockKey", "Eviction", "HotLRU", "TierHealth", "model_tag", "object_key", "redis_key",

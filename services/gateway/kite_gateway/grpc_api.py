@@ -1,0 +1,224 @@
+"""The gRPC API (proto/kite.proto, service kite.v1.Kite): GenerateRequest -> GenerationClient -> event stream.
+
+The gRPC twin of the HTTP API: the same `GenerationClient`, the same parameter rules as
+`openai_protocol` (temperature 0..2, top_p (0, 1], max_tokens >= 1, at most 4 stop strings) and the same
+service error codes, mapped to gRPC status codes instead of HTTP statuses:
+
+    400 -> INVALID_ARGUMENT   503 -> UNAVAILABLE   504 -> DEADLINE_EXCEEDED   500 (and anything else) -> INTERNAL
+
+A failing call carries trailing metadata `kite-error-code` (the code HTTP reports in error.code) and, when
+a retry may succeed, `retry-after` (seconds). The client's deadline bounds admission and streaming; when
+the call ends early (deadline, client cancel, error) the generation is closed, which tells the worker to
+stop and free its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from prometheus_client import Counter
+
+from kite_shared.config import GatewayConfig
+from kite_shared.grpc_gen import kite_pb2, kite_pb2_grpc
+from kite_shared.messages import ChatMessage, SamplingParams, StreamEnd
+from kite_gateway.errors import ApiError
+from kite_gateway.generation import GenerationClient, GenerationParams
+from kite_gateway.openai_protocol import MAX_STOP_STRINGS
+
+log = logging.getLogger(__name__)
+
+CALLS = Counter("kite_grpc_calls_total", "gRPC API calls by method and final status code", ["method", "code"])
+
+_STATUS_BY_HTTP = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+_ROLES = ("system", "developer", "user", "assistant")
+# Same bound as the HTTP body's cache_salt field.
+_MAX_CACHE_SALT_CHARS = 256
+
+
+class InvalidArgument(ValueError):
+    """A request field KITE refuses before asking any service; the message names the field."""
+
+
+def generation_params(request: kite_pb2.GenerateRequest) -> GenerationParams:
+    """Validate a GenerateRequest the way the HTTP API validates its body, and translate it."""
+    if not request.model:
+        raise InvalidArgument("model: required")
+    messages = prompt = prompt_token_ids = None
+    which = request.WhichOneof("input")
+    if which is None:
+        raise InvalidArgument("one of messages, prompt or prompt_token_ids is required")
+    if which == "messages":
+        if not request.messages.messages:
+            raise InvalidArgument("messages: at least one message is required")
+        messages = []
+        for i, m in enumerate(request.messages.messages):
+            if m.role not in _ROLES:
+                raise InvalidArgument(f"messages[{i}].role: must be one of {', '.join(_ROLES)}, got {m.role!r}")
+            # SmolLM2's template (like most) knows "system", not OpenAI's newer "developer" alias.
+            messages.append(ChatMessage(role="system" if m.role == "developer" else m.role, content=m.content))
+    elif which == "prompt":
+        prompt = request.prompt
+    else:
+        if not request.prompt_token_ids.ids:
+            raise InvalidArgument("prompt_token_ids: at least one token id is required")
+        prompt_token_ids = list(request.prompt_token_ids.ids)
+
+    max_tokens = request.max_tokens if request.HasField("max_tokens") else None
+    if max_tokens is not None and max_tokens < 1:
+        raise InvalidArgument(f"max_tokens: must be at least 1, got {max_tokens}")
+    temperature = request.temperature if request.HasField("temperature") else 1.0
+    # Written as `not (a <= x <= b)` so NaN is refused too.
+    if not 0.0 <= temperature <= 2.0:
+        raise InvalidArgument(f"temperature: must be between 0 and 2, got {temperature}")
+    top_p = request.top_p if request.HasField("top_p") else 1.0
+    if not 0.0 < top_p <= 1.0:
+        raise InvalidArgument(f"top_p: must be greater than 0 and at most 1, got {top_p}")
+    if len(request.stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"stop: at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(request.stop)}")
+    if len(request.cache_salt) > _MAX_CACHE_SALT_CHARS:
+        raise InvalidArgument(f"cache_salt: at most {_MAX_CACHE_SALT_CHARS} characters")
+    # Workers seed a non-negative generator; fold negatives the way the HTTP API does.
+    seed = request.seed % 2**63 if request.HasField("seed") else None
+
+    return GenerationParams(
+        model=request.model,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                stop=list(request.stop)),
+        messages=messages, prompt=prompt, prompt_token_ids=prompt_token_ids,
+        reuse=not request.disable_reuse, cache_salt=request.cache_salt)
+
+
+class _Failure(Exception):
+    """How a call ends when it does not end with an End event."""
+
+    def __init__(self, status: grpc.StatusCode, message: str, code: str | None,
+                 retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    @classmethod
+    def from_api_error(cls, exc: ApiError) -> "_Failure":
+        return cls(_STATUS_BY_HTTP.get(exc.status, grpc.StatusCode.INTERNAL), exc.message, exc.code,
+                   exc.retry_after_s)
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        metadata = []
+        if self.code:
+            metadata.append(("kite-error-code", self.code))
+        if self.retry_after_s:
+            metadata.append(("retry-after", str(self.retry_after_s)))
+        return tuple(metadata)
+
+
+class KiteService(kite_pb2_grpc.KiteServicer):
+    def __init__(self, client: GenerationClient) -> None:
+        self._client = client
+
+    async def Generate(self, request: kite_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        # A coroutine writing with context.write (not an async generator yielding responses), so the
+        # deadline's timeout wraps every await of the call, writes included, in this one task.
+        try:
+            await self._generate(request, context)
+        except _Failure as failure:
+            CALLS.labels("Generate", failure.status.name).inc()
+            await context.abort(failure.status, failure.message, failure.trailing_metadata())
+        except asyncio.CancelledError:
+            CALLS.labels("Generate", grpc.StatusCode.CANCELLED.name).inc()
+            raise
+        CALLS.labels("Generate", grpc.StatusCode.OK.name).inc()
+
+    async def _generate(self, request: kite_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        try:
+            params = generation_params(request)
+        except InvalidArgument as exc:
+            raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid_value") from None
+        # gRPC also cancels this task when the deadline passes, but then the call ends as a bare
+        # cancellation; bounding the work here ends it as DEADLINE_EXCEEDED with its error code, and
+        # without relying on that. None (no deadline) means no timeout.
+        deadline = asyncio.timeout(context.time_remaining())
+        try:
+            async with deadline:
+                generation = await self._client.open(params)
+                try:
+                    async for event in generation.events():
+                        for response in _responses(event):
+                            await context.write(response)
+                finally:
+                    # Publishes a cancel to the workers unless the stream reached its end.
+                    await generation.close()
+        except TimeoutError as exc:
+            if not deadline.expired():
+                log.exception("Generate failed")
+                raise _Failure(grpc.StatusCode.INTERNAL, "internal server error", "internal_error") from exc
+            raise _Failure(grpc.StatusCode.DEADLINE_EXCEEDED, "The call's deadline passed before generation "
+                           "finished", "deadline_exceeded") from None
+        except ApiError as exc:
+            raise _Failure.from_api_error(exc) from None
+        except Exception as exc:
+            log.exception("Generate failed")
+            raise _Failure(grpc.StatusCode.INTERNAL, "internal server error", "internal_error") from exc
+
+    async def Health(self, request: kite_pb2.HealthRequest,
+                     context: grpc.aio.ServicerContext) -> kite_pb2.HealthResponse:
+        fingerprinter, worker = await asyncio.gather(self._client.ping("fingerprinter"),
+                                                     self._client.ping("worker"))
+        live_workers = len(self._client.fleet.alive("worker"))
+        CALLS.labels("Health", grpc.StatusCode.OK.name).inc()
+        if fingerprinter and worker:
+            return kite_pb2.HealthResponse(status=kite_pb2.HealthResponse.SERVING, live_workers=live_workers)
+        missing = "worker" if not worker else "fingerprinter"
+        return kite_pb2.HealthResponse(status=kite_pb2.HealthResponse.NOT_SERVING, live_workers=live_workers,
+                                       detail=f"No {missing} is alive and answering")
+
+
+def _responses(event) -> list[kite_pb2.GenerateResponse]:
+    if not isinstance(event, StreamEnd):
+        return [kite_pb2.GenerateResponse(chunk=kite_pb2.Chunk(text=event.text, token_ids=event.token_ids))]
+    responses = []
+    # StreamEnd may release the last text and token; the proto keeps End to reason and counts.
+    if event.text or event.token_ids:
+        responses.append(kite_pb2.GenerateResponse(
+            chunk=kite_pb2.Chunk(text=event.text, token_ids=event.token_ids)))
+    usage = kite_pb2.Usage(prompt_tokens=event.usage.prompt_tokens,
+                           completion_tokens=event.usage.completion_tokens,
+                           cached_tokens=event.usage.cached_tokens)
+    responses.append(kite_pb2.GenerateResponse(end=kite_pb2.End(finish_reason=event.finish_reason, usage=usage)))
+    return responses
+
+
+def bind_address(host: str, port: int) -> str:
+    # An IPv6 literal needs brackets, or its colons read as the port separator.
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+async def start_grpc_server(client: GenerationClient, cfg: GatewayConfig) -> grpc.aio.Server:
+    """Serve kite.v1.Kite on cfg.host:cfg.grpc_port; the caller stops it (server.stop(grace)) to drain."""
+    server = grpc.aio.server(options=[
+        # gRPC sets SO_REUSEPORT by default, which would let a second gateway silently share the port
+        # (and half the traffic); a port clash must fail the start instead.
+        ("grpc.so_reuseport", 0),
+        # The same request size bound as the HTTP API.
+        ("grpc.max_receive_message_length", cfg.max_body_bytes),
+    ])
+    kite_pb2_grpc.add_KiteServicer_to_server(KiteService(client), server)
+    address = bind_address(cfg.host, cfg.grpc_port)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise RuntimeError(f"gRPC server could not bind {address}: {exc}") from exc
+    if port == 0:
+        raise RuntimeError(f"gRPC server could not bind {address}")
+    await server.start()
+    log.info("gRPC on %s", bind_address(cfg.host, port))
+    return server

@@ -1,0 +1,32 @@
+"""Entrypoint: `kite-ru-pool` / `python -m kite_ru_pool`."""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import start_http_server
+
+from kite_shared.config import RuPoolConfig, TierConfig, load
+from kite_shared.service import ServiceRuntime, run_service
+from kite_ru_pool.service import PoolService
+
+log = logging.getLogger("kite_ru_pool")
+
+
+async def setup(rt: ServiceRuntime) -> None:
+    cfg = load(RuPoolConfig)
+    tier_cfg = load(TierConfig)
+    if cfg.metrics_port:
+        start_http_server(cfg.metrics_port)
+        log.info("metrics on :%d/metrics", cfg.metrics_port)
+    pool = PoolService(cfg, tier_cfg, rt.nc)
+    await pool.start()
+    rt.on_drain(pool.stop)
+
+
+def main() -> None:
+    run_service("ru-pool", setup)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""NATS client of the ru-pool, for workers and tools: put, lookup, get, worker cache events, admin.
+
+Never raises on a pool that is absent, slow or failing: lookups and gets return None / [] (a miss, so
+the caller computes), puts and events are fire-and-forget publishes. Bad arguments still raise.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Sequence
+
+from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+
+from kite_shared import subjects
+from kite_shared.messages import (
+    BlockRemoved, BlockStored, MessageError, ModelFingerprintChanged, PoolAdminReply, PoolAdminRequest,
+    PoolGetReply, PoolGetRequest, PoolLookupReply, PoolLookupRequest,
+)
+
+log = logging.getLogger(__name__)
+
+
+class PoolClient:
+    def __init__(self, nc: NATS, worker_id: str = "", lookup_timeout_s: float = 0.1,
+                 get_timeout_s: float = 2.0, admin_timeout_s: float = 30.0) -> None:
+        self.nc = nc
+        self.worker_id = worker_id
+        self.lookup_timeout_s = lookup_timeout_s
+        self.get_timeout_s = get_timeout_s
+        self.admin_timeout_s = admin_timeout_s
+        self._seq = itertools.count(1)
+
+    async def put(self, unit_bytes: bytes) -> bool:
+        """Hand one encoded unit to the pool (at most once; the pool dedupes). False if not sent."""
+        try:
+            await self.nc.publish(subjects.POOL_PUT, unit_bytes)
+            return True
+        except Exception as exc:  # MaxPayloadError, connection closed: the pool is best-effort
+            log.warning("pool put not sent: %r", exc)
+            return False
+
+    async def lookup(self, model_fingerprint: str, block_hashes: Sequence[bytes],
+                     include_workers: bool = True, timeout_s: float | None = None) -> PoolLookupReply | None:
+        req = PoolLookupRequest(model_fingerprint=model_fingerprint, block_hashes=list(block_hashes),
+                                include_workers=include_workers)
+        reply = await self._request(subjects.POOL_LOOKUP, req.encode(), timeout_s or self.lookup_timeout_s)
+        if reply is None:
+            return None
+        try:
+            return PoolLookupReply.decode(reply)
+        except MessageError as exc:
+            log.warning("bad pool lookup reply: %s", exc)
+            return None
+
+    async def get(self, model_fingerprint: str, block_hashes: Sequence[bytes],
+                  max_bytes: int = 0, timeout_s: float | None = None) -> list[bytes]:
+        """Verified encoded units of the leading blocks the pool has (several requests if the units do
+        not fit one reply). The caller still decodes each with recyclable_unit.decode before use."""
+        units: list[bytes] = []
+        hashes = list(block_hashes)
+        while len(units) < len(hashes):
+            req = PoolGetRequest(model_fingerprint=model_fingerprint, block_hashes=hashes[len(units):],
+                                 max_bytes=max_bytes)
+            raw = await self._request(subjects.POOL_GET, req.encode(), timeout_s or self.get_timeout_s)
+            if raw is None:
+                break
+            try:
+                reply = PoolGetReply.decode(raw)
+            except MessageError as exc:
+                log.warning("bad pool get reply: %s", exc)
+                break
+            if reply.error is not None:
+                log.debug("pool get: %s", reply.error.message)
+            units.extend(reply.units)
+            if reply.complete or not reply.units:
+                break
+        return units
+
+    async def block_stored(self, model_fingerprint: str, block_hashes: Sequence[bytes]) -> None:
+        await self._publish(subjects.POOL_BLOCK_EVENTS, BlockStored(
+            worker_id=self.worker_id, model_fingerprint=model_fingerprint,
+            block_hashes=list(block_hashes), seq=next(self._seq)).encode())
+
+    async def block_removed(self, model_fingerprint: str, block_hashes: Sequence[bytes],
+                            all_blocks: bool = False) -> None:
+        await self._publish(subjects.POOL_BLOCK_EVENTS, BlockRemoved(
+            worker_id=self.worker_id, model_fingerprint=model_fingerprint,
+            block_hashes=list(block_hashes), all_blocks=all_blocks, seq=next(self._seq)).encode())
+
+    async def model_fingerprint_changed(self, model_name: str, fingerprint: str, previous: str = "") -> None:
+        await self._publish(subjects.MODEL_FINGERPRINT, ModelFingerprintChanged(
+            model_name=model_name, model_fingerprint=fingerprint, previous_fingerprint=previous).encode())
+
+    async def admin(self, req: PoolAdminRequest, timeout_s: float | None = None) -> PoolAdminReply | None:
+        raw = await self._request(subjects.POOL_ADMIN, req.encode(), timeout_s or self.admin_timeout_s)
+        return None if raw is None else PoolAdminReply.decode(raw)
+
+    async def _publish(self, subject: str, data: bytes) -> None:
+        try:
+            await self.nc.publish(subject, data)
+        except Exception as exc:
+            log.warning("publish to %s failed: %r", subject, exc)
+
+    async def _request(self, subject: str, data: bytes, timeout_s: float) -> bytes | None:
+        try:
+            msg = await self.nc.request(subject, data, timeout=timeout_s)
+        except NoRespondersError:
+            log.debug("no ru-pool is listening on %s", subject)
+            return None
+        except NatsTimeoutError:
+            log.warning("ru-pool did not answer %s within %.3f s", subject, timeout_s)
+            return None
+        except Exception as exc:  # connection closed or reconnecting: a miss, not a failure
+            log.warning("request to %s failed: %r", subject, exc)
+            return None
+        return msg.data

@@ -1,0 +1,48 @@
+"""Integration fixtures: a real KITE stack (nats-server + the five services as processes, the real model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kite_cli.stack import LocalStack, StackOptions
+
+MODEL = "smollm2-135m-instruct"
+
+
+class RunningStack(LocalStack):
+    model = MODEL
+
+
+def _start(options: StackOptions) -> RunningStack:
+    stack = RunningStack(options)
+    try:
+        stack.start()
+    except BaseException:
+        for proc in stack.processes:
+            print(f"--- {proc.name} ---\n{stack.tail(proc)}")
+        stack.stop()
+        raise
+    return stack
+
+
+@pytest.fixture(scope="session")
+def kite_stack() -> RunningStack:
+    """One stack for the API tests (one worker). Tests must not kill its processes."""
+    stack = _start(StackOptions(num_workers=1, services=("fingerprinter", "arbitrator", "gateway"), env={"KITE_GATEWAY_GRPC_PORT": "0"}))  # TEMP
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture()
+def fresh_stack_factory():
+    """Start a dedicated stack for a test that kills or adds processes; stopped after the test."""
+    stacks: list[RunningStack] = []
+
+    def start(**kwargs) -> RunningStack:
+        stack = _start(StackOptions(**kwargs, services=("fingerprinter", "arbitrator", "gateway"), env={"KITE_GATEWAY_GRPC_PORT": "0"}))  # TEMP
+        stacks.append(stack)
+        return stack
+
+    yield start
+    for stack in stacks:
+        stack.stop()

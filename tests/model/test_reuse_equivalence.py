@@ -1,0 +1,103 @@
+"""Reuse must never change an answer: on the real default model, greedy output with Upcycle reuse equals
+reuse off token for token. Must not be weakened (issue 3)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kite_shared.config import ModelConfig, load
+from kite_shared.fingerprint import block_hash_chain
+from kite_shared.messages import SamplingParams, TokenizedRequest
+from kite_shared.model_store import identity, load_causal_lm, load_tokenizer, prepare
+from kite_worker.block_cache import BlockCache
+from kite_worker.engine import Engine, EngineOptions, Sequence
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def parts():
+    cfg = load(ModelConfig)
+    local = prepare(cfg)
+    return local, identity(local, cfg), load_tokenizer(local), load_causal_lm(local, cfg)
+
+
+def make_engine(parts, storage_dtype: torch.dtype) -> Engine:
+    local, ident, tok, model = parts
+    return Engine(model, tok, ident, BlockCache(1 << 30),
+                  EngineOptions(block_size=BLOCK, storage_dtype=storage_dtype, keep_first_logits=True,
+                                prefill_chunk_tokens=512), local.max_context_tokens)
+
+
+def run(engine: Engine, ids: list[int], reuse: bool, max_tokens: int = 16) -> Sequence:
+    request = TokenizedRequest(
+        request_id="t", model="m", prompt_token_ids=ids, reuse=reuse,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+        model_fingerprint=engine.identity.fingerprint_hex, block_size=BLOCK, stream_subject="s", created_at=0,
+        block_hashes=[bytes(h) for h in block_hash_chain(ids, BLOCK, engine.identity.root)])
+    seq = engine.new_sequence(request)
+    while (token := engine.prefill_step(seq)) is None:
+        pass
+    engine.store_prompt_blocks(seq)
+    while not engine.accept_token(seq, token)[1]:
+        token = engine.decode_step(seq)
+    engine.store_generated_blocks(seq)
+    return seq
+
+
+def assert_equivalent(engine: Engine, ids: list[int], logits_tol: float | None, expect_cached: int | None = None):
+    off = run(engine, ids, reuse=False)
+    on = run(engine, ids, reuse=True)
+    assert on.generated == off.generated
+    assert int(torch.argmax(on.first_token_logits)) == int(torch.argmax(off.first_token_logits))
+    if logits_tol is not None:
+        assert (on.first_token_logits - off.first_token_logits).abs().max().item() <= logits_tol
+    if expect_cached is not None:
+        assert on.num_cached_tokens == expect_cached
+    return on
+
+
+@pytest.mark.parametrize("storage, tol", [(torch.float32, 1e-3), (torch.float16, None)])
+def test_random_prompts(parts, storage, tol):
+    engine = make_engine(parts, storage)
+    rng = random.Random(7)
+    vocab = len(parts[2])
+    for length in (5, 16, 33, 100, 257):  # shorter than a block, exact blocks, partial last blocks
+        ids = [rng.randrange(100, vocab) for _ in range(length)]
+        run(engine, ids, reuse=True)  # fill the cache
+        expected = min((length // BLOCK) * BLOCK, length - 1)  # full-prompt hit keeps the last token out
+        assert_equivalent(engine, ids, tol, expect_cached=expected)
+
+
+@pytest.mark.parametrize("storage, tol", [(torch.float32, 1e-3), (torch.float16, None)])
+def test_shared_system_prompt(parts, storage, tol):
+    engine = make_engine(parts, storage)
+    tok = parts[2]
+    system = {"role": "system", "content": "You are a concise assistant for a travel agency. " * 20}
+    for i, question in enumerate(("Where is Rome?", "What is the best season to visit Norway?",
+                                  "Name a city in Japan.")):
+        ids = tok.apply_chat_template([system, {"role": "user", "content": question}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        on = assert_equivalent(engine, ids, tol)
+        if i > 0:  # the system prompt's blocks, kept by the first question's reuse-on run
+            assert on.num_cached_tokens >= 160
+
+
+def test_multi_turn_conversation_reuses_history(parts):
+    engine = make_engine(parts, torch.float16)
+    tok = parts[2]
+    messages = [{"role": "system", "content": "You are a helpful assistant."}]
+    questions = ["Hi! Who are you?", "What is 2 plus 2?", "Name a colour.", "Name an animal.",
+                 "What is the capital of Germany?", "Say goodbye."]
+    for turn, question in enumerate(questions):
+        messages.append({"role": "user", "content": question})
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        on = assert_equivalent(engine, ids, None)
+        if turn > 0:
+            # the previous turn's prompt and answer were kept: most of this prompt is reused
+            assert on.num_cached_tokens >= len(ids) - 48
+        messages.append({"role": "assistant", "content": tok.decode(on.generated, skip_special_tokens=True)})
+    assert len(questions) >= 6
