@@ -53,6 +53,10 @@ def build_request(args: argparse.Namespace) -> PoolAdminRequest:
                             block_hashes=hashes)
 
 
+async def _quiet(exc: Exception) -> None:
+    """nats.py prints a traceback per failed attempt by default; the one-line message below suffices."""
+
+
 async def _run(url: str, req: PoolAdminRequest, timeout_s: float) -> int:
     import nats  # here, so `--help` works without the NATS client loaded
 
@@ -61,7 +65,8 @@ async def _run(url: str, req: PoolAdminRequest, timeout_s: float) -> int:
     try:
         nc = await nats.connect(servers=[u.strip() for u in url.split(",") if u.strip()],
                                 name="kite-pool-admin", connect_timeout=min(timeout_s, 5.0),
-                                max_reconnect_attempts=0, allow_reconnect=False)
+                                max_reconnect_attempts=1, reconnect_time_wait=0.2,
+                                allow_reconnect=False, error_cb=_quiet)
     except Exception as exc:  # nats.py raises its own and OS errors for an unreachable server
         print(f"kite pool: cannot reach NATS at {url}: {exc!r}", file=sys.stderr)
         return 2

@@ -300,6 +300,11 @@ class TierConfig:
     cold_dir: Path = env("KITE_COLD_DIR")
 
 
+@dataclass(frozen=True)
+class ArbitratorConfig:
+    metrics_port: int = env("KITE_METRICS_PORT")
+
+
 def markdown_reference() -> str:
     """docs/config.md, generated from the registry."""
     lines = [

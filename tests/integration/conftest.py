@@ -28,7 +28,7 @@ def _start(options: StackOptions) -> RunningStack:
 @pytest.fixture(scope="session")
 def kite_stack() -> RunningStack:
     """One stack for the API tests (one worker). Tests must not kill its processes."""
-    stack = _start(StackOptions(num_workers=1, services=("fingerprinter", "arbitrator", "gateway"), env={"KITE_GATEWAY_GRPC_PORT": "0"}))  # TEMP
+    stack = _start(StackOptions(num_workers=1))
     yield stack
     stack.stop()
 
@@ -39,7 +39,7 @@ def fresh_stack_factory():
     stacks: list[RunningStack] = []
 
     def start(**kwargs) -> RunningStack:
-        stack = _start(StackOptions(**kwargs, services=("fingerprinter", "arbitrator", "gateway"), env={"KITE_GATEWAY_GRPC_PORT": "0"}))  # TEMP
+        stack = _start(StackOptions(**kwargs))
         stacks.append(stack)
         return stack
 

@@ -48,20 +48,16 @@ def _split(responses: list[kite_pb2.GenerateResponse]) -> tuple[list[kite_pb2.Ch
 
 # --- the real stack -------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def kite_stack():  # TEMP-LOCAL-FIXTURE
-    from tests.integration.conftest import _start  # TEMP-LOCAL-FIXTURE
-    from kite_cli.stack import StackOptions  # TEMP-LOCAL-FIXTURE
-    stack = _start(StackOptions(num_workers=1, services=("fingerprinter", "gateway")))  # TEMP-LOCAL-FIXTURE
-    yield stack  # TEMP-LOCAL-FIXTURE
-    stack.stop()  # TEMP-LOCAL-FIXTURE
-
-
 
 @pytest.fixture(scope="module")
 def stub(kite_stack):
     channel = grpc.insecure_channel(kite_stack.grpc_target)
-    grpc.channel_ready_future(channel).result(timeout=30)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=30)
+    except grpc.FutureTimeoutError:
+        channel.close()
+        pytest.fail(f"the gateway's gRPC server is not listening on {kite_stack.grpc_target} "
+                    "(is KITE_GATEWAY_GRPC_PORT 0 in the stack's env?)")
     yield kite_pb2_grpc.KiteStub(channel)
     channel.close()
 

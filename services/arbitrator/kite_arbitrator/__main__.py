@@ -7,12 +7,17 @@ import logging
 from collections import Counter
 
 from nats.aio.msg import Msg
+from prometheus_client import Counter as MetricCounter, start_http_server
 
 from kite_shared import subjects
+from kite_shared.config import ArbitratorConfig, load
 from kite_shared.messages import Heartbeat, MessageError
 from kite_shared.service import ServiceRuntime, run_service
 
 log = logging.getLogger("kite_arbitrator")
+
+RECEIVED = MetricCounter("kite_arbitrator_messages_total", "Messages the arbitrator received, by kind",
+                         ["kind"])
 
 
 class ArbitratorService:
@@ -35,14 +40,20 @@ class ArbitratorService:
             log.info("new %s instance %s", beat.service, beat.instance_id)
         self.live[beat.instance_id] = beat
         self.received[msg.subject] += 1
+        RECEIVED.labels("heartbeat").inc()
         log.debug("heartbeat %s running=%d queued=%d", beat.instance_id, beat.num_running, beat.num_queued)
 
     async def on_telemetry(self, msg: Msg) -> None:
         self.received[msg.subject] += 1
+        RECEIVED.labels("telemetry").inc()
         log.info("telemetry on %s (%d bytes)", msg.subject, len(msg.data))
 
 
 def main() -> None:
+    cfg = load(ArbitratorConfig)
+    if cfg.metrics_port:
+        start_http_server(cfg.metrics_port, addr="0.0.0.0")
+
     async def setup(rt: ServiceRuntime) -> None:
         await ArbitratorService(rt).start()
 

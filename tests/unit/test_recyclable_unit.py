@@ -1,0 +1,72 @@
+"""The RU binary format: round trip, and every kind of damage rejected with a typed error."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+
+from kite_shared.recyclable_unit import (RecyclableUnit, RUChecksumError, RUFormatError, RUKeyMismatchError,
+                                         decode)
+
+SHAPE = (2, 2, 1, 16, 4)
+
+
+def unit(codec: str = "fp16") -> RecyclableUnit:
+    dtype = {"fp16": np.float16, "fp32": np.float32, "bf16": np.uint16}[codec]
+    payload = np.arange(np.prod(SHAPE), dtype=dtype).tobytes()
+    return RecyclableUnit(block_hash=b"\x01" * 32, parent_hash=b"\x02" * 32, model_fingerprint="ff" * 32,
+                          block_index=3, num_tokens=16, codec=codec, shape=SHAPE, payload=payload,
+                          created_at=1700000000.5)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "fp32", "bf16"])
+def test_round_trip(codec):
+    original = unit(codec)
+    assert decode(original.encode(), expected_hash=b"\x01" * 32, expected_model="ff" * 32) == original
+
+
+def test_layout_is_magic_length_header_payload():
+    data = unit().encode()
+    magic, version, header_len = struct.unpack_from(">3sBI", data)
+    assert (magic, version) == (b"KRU", 1)
+    header = msgpack.unpackb(data[8:8 + header_len])
+    assert header["shape"] == list(SHAPE) and header["codec"] == "fp16"
+    assert data[8 + header_len:] == unit().payload
+
+
+def test_flipped_payload_byte_fails_checksum():
+    data = bytearray(unit().encode())
+    data[-5] ^= 0x40
+    with pytest.raises(RUChecksumError):
+        decode(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [
+    lambda d: d[:7],  # truncated preamble
+    lambda d: b"XRU" + d[3:],  # bad magic
+    lambda d: d[:3] + b"\x02" + d[4:],  # unknown version
+    lambda d: d[:-2],  # payload shorter than the shape needs
+    lambda d: d + b"\x00\x00",  # payload longer
+    lambda d: d[:4] + struct.pack(">I", 10**6) + d[8:],  # header length out of range
+    lambda d: d[:8] + b"\xc1" * 10 + d[18:],  # header not msgpack
+])
+def test_damaged_bytes_are_format_errors(damage):
+    with pytest.raises(RUFormatError):
+        decode(damage(unit().encode()))
+
+
+def test_wrong_block_or_model_is_a_key_mismatch():
+    data = unit().encode()
+    with pytest.raises(RUKeyMismatchError):
+        decode(data, expected_hash=b"\x09" * 32)
+    with pytest.raises(RUKeyMismatchError):
+        decode(data, expected_model="00" * 32)
+
+
+def test_encode_refuses_inconsistent_geometry():
+    bad = RecyclableUnit(**{**unit().__dict__, "shape": (2, 2, 1, 8, 4)})
+    with pytest.raises(RUFormatError):
+        bad.encode()
