@@ -31,7 +31,7 @@ bench-cf: install
 	$(PY) bench/bench_fingerprint.py
 
 proto: install
-	bash proto/generate.sh
+	PYTHON=$(PY) bash proto/generate.sh
 
 config-doc: install
 	$(PY) -m kite_shared.config --markdown > docs/config.md

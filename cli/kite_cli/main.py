@@ -1,4 +1,5 @@
-"""`kite` command line: `kite run` starts the local stack (what `make run` calls)."""
+"""`kite` command line: `kite run` starts the local stack (what `make run` calls); `kite pool ...` administers
+the ru-pool (stats, clear, pin/unpin, purge; see `kite pool --help`)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,11 @@ Press Ctrl-C to stop.""", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["pool"]:
+        from kite_cli import pool_admin
+
+        return pool_admin.main(argv[1:])
     parser = argparse.ArgumentParser(prog="kite", description="KITE command line")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="start nats-server and all five services locally")
@@ -54,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--grpc-port", type=int, default=50051)
     run.add_argument("--workers", type=int, default=1)
     run.set_defaults(func=_run)
+    sub.add_parser("pool", help="ru-pool administration (stats, clear, pin, unpin, purge)", add_help=False)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -45,9 +45,9 @@ def build_request(args: argparse.Namespace) -> PoolAdminRequest:
         try:
             h = bytes.fromhex(text)
         except ValueError:
-            raise SystemExit(f"kite pool: not a hex block hash: {text!r}") from None
+            raise ValueError(f"not a hex block hash: {text!r}") from None
         if len(h) != 32:
-            raise SystemExit(f"kite pool: a block hash is 32 bytes (64 hex digits), got {len(h)}: {text!r}")
+            raise ValueError(f"a block hash is 32 bytes (64 hex digits), got {len(h)}: {text!r}")
         hashes.append(h)
     return PoolAdminRequest(op=args.op, model_fingerprint=getattr(args, "model", "") or "",
                             block_hashes=hashes)
@@ -83,7 +83,11 @@ async def _run(url: str, req: PoolAdminRequest, timeout_s: float) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    req = build_request(args)
+    try:
+        req = build_request(args)
+    except ValueError as exc:
+        print(f"kite pool: {exc}", file=sys.stderr)
+        return 2
     url = args.nats_url or load(CommonConfig).nats_url
     return asyncio.run(_run(url, req, args.timeout))
 

@@ -29,7 +29,8 @@ from kite_gateway.fleet import Fleet
 from kite_gateway.generation import GenerationClient
 from kite_gateway.grpc_api import KiteService, start_grpc_server
 
-QUESTION = kite_pb2.ChatMessages(messages=[kite_pb2.Message(role="user", content="What is the capital of France?")])
+QUESTION = kite_pb2.ChatMessages(
+    messages=[kite_pb2.Message(role="user", content="What is the capital of France?")])
 CALL_TIMEOUT_S = 120
 
 
@@ -183,7 +184,8 @@ class Scripted:
         scenario = request.prompt or "ok"
         if scenario.startswith("refuse:"):
             code = scenario.split(":", 1)[1]
-            await msg.respond(Admission(accepted=False, error=ErrorInfo(code=code, message=f"scripted {code}")).encode())
+            refusal = Admission(accepted=False, error=ErrorInfo(code=code, message=f"scripted {code}"))
+            await msg.respond(refusal.encode())
             return
         await msg.respond(Admission(accepted=True, worker_id=WORKER_ID, prompt_tokens=3).encode())
         task = asyncio.create_task(self.stream(request, scenario))
@@ -434,7 +436,8 @@ async def test_handler_enforces_the_deadline_itself(scripted):
     context = _DeadlineContext(remaining_s=0.3)
     started = time.monotonic()
     with pytest.raises(_Aborted) as info:
-        await KiteService(scripted.client).Generate(kite_pb2.GenerateRequest(model="m", prompt="forever"), context)
+        await KiteService(scripted.client).Generate(kite_pb2.GenerateRequest(model="m", prompt="forever"),
+                                                    context)
     code, _, trailers = info.value.args
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED and trailers["kite-error-code"] == "deadline_exceeded"
     assert context.written and time.monotonic() - started < 3

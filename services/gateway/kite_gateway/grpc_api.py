@@ -80,7 +80,8 @@ def generation_params(request: kite_pb2.GenerateRequest) -> GenerationParams:
     if not 0.0 < top_p <= 1.0:
         raise InvalidArgument(f"top_p: must be greater than 0 and at most 1, got {top_p}")
     if len(request.stop) > MAX_STOP_STRINGS:
-        raise InvalidArgument(f"stop: at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(request.stop)}")
+        raise InvalidArgument(f"stop: at most {MAX_STOP_STRINGS} stop sequences are allowed, "
+                              f"got {len(request.stop)}")
     if len(request.cache_salt) > _MAX_CACHE_SALT_CHARS:
         raise InvalidArgument(f"cache_salt: at most {_MAX_CACHE_SALT_CHARS} characters")
     # Workers seed a non-negative generator; fold negatives the way the HTTP API does.

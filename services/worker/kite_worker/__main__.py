@@ -79,12 +79,13 @@ class WorkerService:
         self._pool_outbox: queue.Queue[NewBlock] = queue.Queue(maxsize=POOL_OUTBOX_BLOCKS)
         self._last_reused = 0
         self._last_computed = 0
+        self._stopping = False
 
     async def start(self) -> None:
         self.scheduler.start()
         self.rt.set_heartbeat_fields(self.heartbeat_fields)
-        self._tasks = [asyncio.create_task(self._publish_events()),
-                       asyncio.create_task(self._publish_blocks())]
+        self._events_task = asyncio.create_task(self._publish_events())
+        self._blocks_task = asyncio.create_task(self._publish_blocks())
         await self.rt.nc.subscribe(subjects.WORKER_GENERATE, queue=subjects.WORKER_QUEUE, cb=self.on_generate)
         await self.rt.nc.subscribe(subjects.WORKER_CANCEL, cb=self.on_cancel)
         self.rt.on_drain(self.drain)
@@ -165,8 +166,15 @@ class WorkerService:
                 POOL_DROPPED.inc()
 
     async def _publish_blocks(self) -> None:
+        # Polls with a timeout (instead of blocking in get()) so that shutdown never waits on a thread
+        # stuck in an empty queue; on drain it flushes what is queued, then returns.
         while True:
-            block = await asyncio.to_thread(self._pool_outbox.get)
+            try:
+                block = await asyncio.to_thread(self._pool_outbox.get, True, 0.25)
+            except queue.Empty:
+                if self._stopping:
+                    return
+                continue
             try:
                 data = await asyncio.to_thread(self._encode_block, block)
                 await self.rt.nc.publish(subjects.POOL_PUT, data)
@@ -190,6 +198,9 @@ class WorkerService:
             await asyncio.sleep(0.01)
         self.scheduler.stop()
         await asyncio.to_thread(self.scheduler.join, 5.0)
+        self._stopping = True
+        await self._blocks_task  # returns once the ru-pool outbox is flushed
+        self._events_task.cancel()
 
 
 def main() -> None:

@@ -1,0 +1,109 @@
+"""The real `python -m kite_ru_pool` process: serves over NATS, exposes /metrics, survives a restart
+(Redis and S3 stay up) with its index rebuilt, and drains on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+
+import nats
+import pytest
+
+from kite_cli.local_servers import free_port
+from kite_shared.messages import Ping, PoolAdminRequest, Pong
+from kite_shared.recyclable_unit import RecyclableUnit
+from kite_shared import subjects
+from kite_shared.tiers.pool_client import PoolClient
+
+
+def chain(fp: str, n: int) -> list[tuple[bytes, bytes]]:
+    out, parent = [], hashlib.sha256(fp.encode()).digest()
+    for i in range(n):
+        h = hashlib.sha256(parent + bytes([i])).digest()
+        unit = RecyclableUnit(block_hash=h, parent_hash=parent, model_fingerprint=fp, block_index=i,
+                              num_tokens=16, codec="fp16", shape=(2, 2, 1, 16, 4), payload=bytes([i]) * 512)
+        out.append((h, unit.encode()))
+        parent = h
+    return out
+
+
+def start_pool(env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kite_ru_pool"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+async def wait_ready(nc, proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read().decode()
+        try:
+            reply = await nc.request(subjects.POOL_ADMIN, PoolAdminRequest(op="stats").encode(), timeout=0.5)
+        except Exception:
+            await asyncio.sleep(0.1)
+            continue
+        from kite_shared.messages import PoolAdminReply
+        if PoolAdminReply.decode(reply.data).counters.get("rebuilding") == 0:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("ru-pool process did not become ready")
+
+
+def stop(proc: subprocess.Popen) -> str:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError("ru-pool did not stop on SIGTERM")
+    assert proc.returncode == 0, err.decode()
+    return err.decode()
+
+
+async def test_process_serves_restarts_with_its_index_and_exports_metrics(nats_server, redis_server,
+                                                                          s3_server):
+    metrics_port = free_port()
+    env = dict(os.environ, KITE_NATS_URL=nats_server.url, KITE_REDIS_URL=f"{redis_server.url}/15",
+               KITE_S3_ENDPOINT=s3_server.url, KITE_S3_BUCKET="kite-proc",
+               KITE_S3_PREFIX=f"proc-{uuid.uuid4().hex[:6]}/", KITE_METRICS_PORT=str(metrics_port),
+               KITE_POOL_SWEEP_INTERVAL_S="0.2", KITE_LOG_LEVEL="INFO")
+    fp = hashlib.sha256(uuid.uuid4().bytes).hexdigest()
+    blocks = chain(fp, 5)
+    hashes = [h for h, _ in blocks]
+    nc = await nats.connect(nats_server.url)
+    client = PoolClient(nc, lookup_timeout_s=2.0)
+    proc = start_pool(env)
+    try:
+        await wait_ready(nc, proc)
+        pong = Pong.decode((await nc.request(subjects.ping("ru-pool"), Ping().encode(), timeout=2)).data)
+        assert pong.service == "ru-pool"
+        for _, data in blocks:
+            await client.put(data)
+        deadline = time.monotonic() + 10
+        while (r := await client.lookup(fp, hashes)).warm < 5:
+            assert time.monotonic() < deadline, r
+            await asyncio.sleep(0.05)
+        assert r.hot == 5
+        body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+        assert "kite_pool_lookup_seconds_count" in body
+        assert 'kite_tier_bytes_total{direction="write",tier="warm"}' in body
+        log = stop(proc)
+        assert "ru-pool stopped" in log
+
+        proc = start_pool(env)  # Redis and S3 stayed up: the index comes back from them
+        await wait_ready(nc, proc)
+        r = await client.lookup(fp, hashes)
+        assert (r.hot, r.warm, r.pool) == (0, 5, 5)
+        assert await client.get(fp, hashes) == [d for _, d in blocks]
+        stop(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        await nc.close()

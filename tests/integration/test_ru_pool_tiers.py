@@ -1,0 +1,184 @@
+"""Warm (real redis-server) and cold (real moto S3 server, local folder) tiers: round trips, integrity,
+TTL and pins, and behaviour while a server is down."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+import uuid
+
+import boto3
+import pytest
+import redis
+
+from kite_cli.local_servers import free_port, start_redis
+from kite_shared.recyclable_unit import RecyclableUnit
+from kite_shared.tiers import metrics
+from kite_shared.tiers.cold import LocalDirTier, S3Tier
+from kite_shared.tiers.keys import BlockKey, object_key, redis_key
+from kite_shared.tiers.warm import RedisTier
+
+FP = hashlib.sha256(b"tiers-test-model").hexdigest()
+SHAPE = (2, 2, 1, 16, 4)
+
+
+def make_unit(i: int, fp: str = FP) -> tuple[bytes, bytes]:
+    """(block_hash, encoded unit) of a small fp16 block."""
+    block_hash = hashlib.sha256(f"{fp}/{i}".encode()).digest()
+    n = 2 * 2 * 1 * 16 * 4
+    payload = bytes((i * 7 + j) % 256 for j in range(n * 2))
+    unit = RecyclableUnit(block_hash=block_hash, parent_hash=b"\0" * 32, model_fingerprint=fp,
+                          block_index=i, num_tokens=16, codec="fp16", shape=SHAPE, payload=payload)
+    return block_hash, unit.encode()
+
+
+def integrity(tier: str) -> float:
+    return metrics.TIER_INTEGRITY_FAILURES.labels(tier)._value.get()
+
+
+def flip(data: bytes) -> bytes:
+    b = bytearray(data)
+    b[-1] ^= 0x01
+    return bytes(b)
+
+
+@pytest.fixture
+async def warm(redis_server):
+    db = 1 + (uuid.uuid4().int % 14)
+    redis.Redis(port=redis_server.port, db=db).flushdb()
+    tier = RedisTier(f"{redis_server.url}/{db}", ttl_s=30, timeout_s=0.5)
+    yield tier
+    await tier.close()
+
+
+@pytest.fixture
+async def s3(s3_server):
+    tier = S3Tier(s3_server.url, "kite-test", prefix=f"t-{uuid.uuid4().hex[:8]}/", timeout_s=5.0)
+    assert await tier.ensure_bucket()
+    yield tier
+    await tier.close()
+
+
+@pytest.fixture(params=["warm", "s3", "local"])
+async def any_tier(request, redis_server, s3_server, tmp_path):
+    if request.param == "warm":
+        db = 1 + (uuid.uuid4().int % 14)
+        redis.Redis(port=redis_server.port, db=db).flushdb()
+        tier = RedisTier(f"{redis_server.url}/{db}", ttl_s=30, timeout_s=0.5)
+    elif request.param == "s3":
+        tier = S3Tier(s3_server.url, "kite-test", prefix=f"t-{uuid.uuid4().hex[:8]}/", timeout_s=5.0)
+        assert await tier.ensure_bucket()
+    else:
+        tier = LocalDirTier(tmp_path / "cold", prefix="kite/")
+        assert await tier.ensure_bucket()
+    yield tier
+    await tier.close()
+
+
+async def test_round_trip_listing_and_delete(any_tier):
+    tier = any_tier
+    units = [make_unit(i) for i in range(5)]
+    for h, data in units:
+        assert await tier.put(BlockKey.of(FP, h), data)
+    for h, data in units:
+        assert await tier.get_verified(FP, h) == data
+        assert await tier.exists(BlockKey.of(FP, h))
+    listed = sorted([(s.key, s.size) async for s in tier.iter_keys()])
+    assert listed == sorted((BlockKey.of(FP, h), len(d)) for h, d in units)
+    assert [s async for s in tier.iter_keys("f" * 16)] == []
+    assert await tier.delete_many([BlockKey.of(FP, units[0][0]), BlockKey.of(FP, units[1][0])]) == 2
+    assert await tier.get_verified(FP, units[0][0]) is None
+    assert tier.up and tier.hits == 5 and tier.misses == 1
+
+
+async def test_corrupt_and_foreign_units_are_counted_deleted_and_missed(any_tier):
+    tier = any_tier
+    label = tier.name
+    before = integrity(label)
+    h0, d0 = make_unit(0)
+    h1, d1 = make_unit(1)
+    h2, d2 = make_unit(2, fp="ab" * 32)
+    await tier.put(BlockKey.of(FP, h0), flip(d0))  # flipped payload byte: checksum fails
+    await tier.put(BlockKey.of(FP, h1), d0)  # intact unit, but of another block
+    await tier.put(BlockKey.of(FP, h2), d2)  # intact unit of another model under this model's key
+    for h in (h0, h1, h2):
+        assert await tier.get_verified(FP, h) is None
+        assert not await tier.exists(BlockKey.of(FP, h))
+    assert tier.integrity_failures == 3
+    assert integrity(label) - before == 3
+    assert tier.up  # corruption is not an outage
+
+
+async def test_warm_ttl_is_refreshed_on_hit_and_pins_have_none(warm, redis_server):
+    r = redis.Redis(port=redis_server.port, db=int(warm.url.rsplit("/", 1)[1]))
+    h, d = make_unit(0)
+    hp, dp = make_unit(1)
+    key, pkey = BlockKey.of(FP, h), BlockKey.of(FP, hp)
+    await warm.put(key, d)
+    await warm.put(pkey, dp, pinned=True)
+    assert 0 < r.pttl(redis_key(key)) <= 30_000
+    r.pexpire(redis_key(key), 5_000)
+    assert await warm.get_verified(FP, h) == d
+    assert r.pttl(redis_key(key)) > 25_000  # the hit restarted the TTL
+    assert await warm.get_verified(FP, hp) == dp
+    assert r.pttl(redis_key(pkey)) == -1  # EXPIRE XX left the pinned block without expiry
+    assert await warm.set_pinned(key, True) and r.pttl(redis_key(key)) == -1
+    assert await warm.set_pinned(key, False) and 0 < r.pttl(redis_key(key)) <= 30_000
+    assert not await warm.set_pinned(BlockKey.of(FP, b"\x07" * 32), True)
+    listed = {s.key: s for s in [s async for s in warm.iter_keys()]}
+    assert listed[pkey].pinned and listed[pkey].idle_s is None
+    assert not listed[key].pinned and listed[key].idle_s < 2.0
+
+
+async def test_redis_down_is_a_fast_miss_and_the_tier_comes_back_on_the_same_port():
+    port = free_port()
+    server = start_redis(port)
+    tier = RedisTier(f"redis://127.0.0.1:{port}/0", ttl_s=30, timeout_s=0.2, backoff_max_s=1.0,
+                     initial_backoff_s=0.2)
+    try:
+        h, d = make_unit(0)
+        assert await tier.put(BlockKey.of(FP, h), d)
+        server.stop()
+        started = time.perf_counter()
+        assert await tier.get_verified(FP, h) is None
+        assert time.perf_counter() - started < 0.5
+        assert not tier.up
+        started = time.perf_counter()
+        for _ in range(100):  # while down: no I/O at all
+            assert await tier.get(BlockKey.of(FP, h)) is None
+            assert not await tier.put(BlockKey.of(FP, h), d)
+        assert time.perf_counter() - started < 0.05
+        server = start_redis(port)  # restarted empty on the same port
+        deadline = time.monotonic() + 5
+        while not await tier.ping():
+            assert time.monotonic() < deadline, "warm tier never came back"
+            await asyncio.sleep(0.05)
+        assert tier.up
+        assert await tier.put(BlockKey.of(FP, h), d)
+        assert await tier.get_verified(FP, h) == d
+    finally:
+        await tier.close()
+        server.stop()
+
+
+async def test_s3_unreachable_is_a_miss_and_marks_the_tier_down():
+    tier = S3Tier(f"http://127.0.0.1:{free_port()}", "nobucket", timeout_s=0.5)
+    try:
+        h, d = make_unit(0)
+        assert await tier.get_verified(FP, h) is None
+        assert not tier.up
+        assert not await tier.put(BlockKey.of(FP, h), d)
+        with pytest.raises(Exception, match="cold tier listing failed"):
+            _ = [s async for s in tier.iter_keys()]
+    finally:
+        await tier.close()
+
+
+async def test_s3_object_layout_is_the_documented_one(s3, s3_server):
+    h, d = make_unit(3)
+    await s3.put(BlockKey.of(FP, h), d)
+    client = boto3.client("s3", endpoint_url=s3_server.url, region_name="us-east-1")
+    body = client.get_object(Bucket="kite-test", Key=object_key(s3.prefix, BlockKey.of(FP, h)))["Body"].read()
+    assert body == d
+    assert object_key(s3.prefix, BlockKey.of(FP, h)).endswith(f"ru/v1/{FP[:16]}/{h.hex()}.kru")
