@@ -76,6 +76,17 @@ class LocalServer:
 NATS_MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 
 
+def _launch(name: str, argv: list[str], port: int, workdir: Path, log_file: Path | None) -> LocalServer:
+    out = log_file.open("ab") if log_file else subprocess.DEVNULL
+    server = LocalServer(name, port, subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT), workdir)
+    try:
+        wait_for_port(port, server.process, 10.0, name)
+    except ServerStartError:
+        server.stop()
+        raise
+    return server
+
+
 def start_nats(port: int | None = None, jetstream: bool = True, log_file: Path | None = None) -> LocalServer:
     binary = find_binary("nats-server")
     if binary is None:
@@ -86,15 +97,7 @@ def start_nats(port: int | None = None, jetstream: bool = True, log_file: Path |
     # max_payload has no command-line flag; it must come from a config file.
     conf.write_text(f"listen: 127.0.0.1:{port}\nmax_payload: {NATS_MAX_PAYLOAD_BYTES}\n"
                     + (f'jetstream {{ store_dir: "{workdir / "js"}" }}\n' if jetstream else ""))
-    out = log_file.open("ab") if log_file else subprocess.DEVNULL
-    proc = subprocess.Popen([binary, "-c", str(conf)], stdout=out, stderr=subprocess.STDOUT)
-    server = LocalServer("nats-server", port, proc, workdir)
-    try:
-        wait_for_port(port, proc, 10.0, "nats-server")
-    except ServerStartError:
-        server.stop()
-        raise
-    return server
+    return _launch("nats-server", [binary, "-c", str(conf)], port, workdir, log_file)
 
 
 def start_redis(port: int | None = None, log_file: Path | None = None) -> LocalServer:
@@ -103,14 +106,5 @@ def start_redis(port: int | None = None, log_file: Path | None = None) -> LocalS
         raise ServerStartError("redis-server not found (apt-get install redis-server)")
     port = port or free_port()
     workdir = Path(tempfile.mkdtemp(prefix="kite-redis-"))
-    out = log_file.open("ab") if log_file else subprocess.DEVNULL
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(workdir)],
-                            stdout=out, stderr=subprocess.STDOUT)
-    server = LocalServer("redis-server", port, proc, workdir)
-    try:
-        wait_for_port(port, proc, 10.0, "redis-server")
-    except ServerStartError:
-        server.stop()
-        raise
-    return server
+    return _launch("redis-server", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                    "--appendonly", "no", "--dir", str(workdir)], port, workdir, log_file)

@@ -14,12 +14,11 @@ import urllib.request
 import uuid
 
 import nats
-import pytest
 
 from kite_cli.local_servers import free_port
-from kite_shared.messages import Ping, PoolAdminRequest, Pong
-from kite_shared.recyclable_unit import RecyclableUnit
+from kite_shared.messages import Ping, PoolAdminReply, PoolAdminRequest, Pong
 from kite_shared import subjects
+from kite_shared.recyclable_unit import RecyclableUnit
 from kite_shared.tiers.pool_client import PoolClient
 
 
@@ -48,7 +47,6 @@ async def wait_ready(nc, proc: subprocess.Popen, timeout_s: float = 20.0) -> Non
         except Exception:
             await asyncio.sleep(0.1)
             continue
-        from kite_shared.messages import PoolAdminReply
         if PoolAdminReply.decode(reply.data).counters.get("rebuilding") == 0:
             return
         await asyncio.sleep(0.1)

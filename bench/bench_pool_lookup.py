@@ -1,0 +1,254 @@
+"""Benchmark of the ru-pool: lookup latency under a steady request rate, and block fetch throughput per
+tier, over NATS (through the pool) and directly from the tiers (what a worker can do itself).
+
+Starts its own nats-server, redis-server and moto S3 server on free ports, and the ru-pool as a real
+process (`python -m kite_ru_pool`). Blocks have SmolLM2-135M's geometry (30 layers, 3 KV heads, head
+dim 64, 16 tokens, fp16: 368,640 payload bytes).
+
+    .venv/bin/python bench/bench_pool_lookup.py [--rate 1000] [--seconds 5] [--chain 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import nats
+
+from kite_cli.local_servers import free_port, start_nats, start_redis, wait_for_port
+from kite_shared import subjects
+from kite_shared.messages import PoolAdminReply, PoolAdminRequest
+from kite_shared.recyclable_unit import RecyclableUnit
+from kite_shared.tiers.cold import LocalDirTier, S3Tier
+from kite_shared.tiers.keys import BlockKey
+from kite_shared.tiers.pool_client import PoolClient
+from kite_shared.tiers.warm import RedisTier
+
+SHAPE = (30, 2, 3, 16, 64)
+PAYLOAD = 30 * 2 * 3 * 16 * 64 * 2
+
+
+def make_chain(fp: str, n: int) -> list[tuple[bytes, bytes]]:
+    out, parent = [], hashlib.sha256(fp.encode()).digest()
+    payload = os.urandom(PAYLOAD)
+    for i in range(n):
+        h = hashlib.sha256(parent + i.to_bytes(4, "big")).digest()
+        unit = RecyclableUnit(block_hash=h, parent_hash=parent, model_fingerprint=fp, block_index=i,
+                              num_tokens=16, codec="fp16", shape=SHAPE, payload=payload)
+        out.append((h, unit.encode()))
+        parent = h
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+ECHO = """
+import asyncio, sys, nats
+async def main():
+    nc = await nats.connect(sys.argv[1])
+    reply = bytes(64)
+    async def cb(msg):
+        await msg.respond(reply)
+    await nc.subscribe("bench.echo", cb=cb)
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+
+async def bench_lookup(client: PoolClient, fp: str, hashes: list[bytes], rate: float, seconds: float,
+                       echo: bool = False) -> None:
+    """Open-loop lookups; with echo=True the same request goes to a do-nothing responder process
+    instead, which is the floor this machine's NATS + Python client put under any answer."""
+    latencies: list[float] = []
+    errors = 0
+    from kite_shared.messages import PoolLookupRequest
+    payload = PoolLookupRequest(model_fingerprint=fp, block_hashes=hashes).encode()
+
+    async def one() -> None:
+        nonlocal errors
+        started = time.perf_counter()
+        if echo:
+            try:
+                await client.nc.request("bench.echo", payload, timeout=1.0)
+            except Exception:
+                errors += 1
+                return
+        else:
+            r = await client.lookup(fp, hashes, timeout_s=1.0)
+            if r is None or r.pool != len(hashes):
+                errors += 1
+                return
+        latencies.append(time.perf_counter() - started)
+
+    tasks = []
+    n = int(rate * seconds)
+    t0 = time.perf_counter()
+    for i in range(n):  # open loop: requests leave on schedule whether or not earlier ones returned
+        delay = t0 + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one()))
+    await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - t0
+    label = "echo  " if echo else "lookup"
+    print(f"{label}  chain={len(hashes)} blocks  offered {rate:.0f}/s  achieved {n / elapsed:.0f}/s  "
+          f"n={len(latencies)} errors={errors}  p50={pct(latencies, 0.5) * 1e3:.3f} ms  "
+          f"p99={pct(latencies, 0.99) * 1e3:.3f} ms  max={max(latencies) * 1e3:.3f} ms")
+
+
+async def bench_fetch(label: str, fetch, n_blocks: int, unit_bytes: int, repeat: int = 1) -> None:
+    per_call: list[float] = []
+    got = 0
+    for _ in range(repeat):
+        started = time.perf_counter()
+        got = await fetch()
+        per_call.append(time.perf_counter() - started)
+    total = statistics.median(per_call)
+    mb_s = n_blocks * unit_bytes / total / 1e6
+    print(f"fetch   {label:<34} {got:>4}/{n_blocks} blocks  {total * 1e3:8.1f} ms  {mb_s:8.1f} MB/s  "
+          f"({total / n_blocks * 1e3:.2f} ms/block)")
+    if got != n_blocks:
+        print(f"        WARNING: {label} returned {got} of {n_blocks} blocks")
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rate", type=float, default=1000.0)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--chain", type=int, default=128)
+    args = ap.parse_args()
+
+    nats_srv = start_nats()
+    redis_srv = start_redis()
+    s3_port = free_port()
+    moto = Path(sys.executable).parent / "moto_server"
+    s3_proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(s3_port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_port(s3_port, s3_proc, 30, "moto_server")
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+    s3_url = f"http://127.0.0.1:{s3_port}"
+    prefix = f"bench-{uuid.uuid4().hex[:6]}/"
+    metrics_port = free_port()
+    fp_a, fp_b, fp_cold = (hashlib.sha256(uuid.uuid4().bytes).hexdigest() for _ in range(3))
+    n = args.chain
+    chain_a, chain_b, chain_cold = make_chain(fp_a, n), make_chain(fp_b, n), make_chain(fp_cold, n)
+    unit_bytes = len(chain_a[0][1])
+    print(f"unit {unit_bytes} bytes; nats max_payload 8 MiB; cpus {os.cpu_count()}")
+
+    # Seed the cold tier before the pool starts: its index rebuild finds these blocks in cold only.
+    s3 = S3Tier(s3_url, "kite-bench", prefix)
+    await s3.ensure_bucket()
+    await asyncio.gather(*(s3.put(BlockKey.of(fp_cold, h), d) for h, d in chain_cold))
+
+    env = dict(os.environ, KITE_NATS_URL=nats_srv.url, KITE_REDIS_URL=redis_srv.url + "/0",
+               KITE_S3_ENDPOINT=s3_url, KITE_S3_BUCKET="kite-bench", KITE_S3_PREFIX=prefix,
+               KITE_POOL_HOT_BYTES=str((n + 2) * unit_bytes), KITE_LOG_LEVEL="WARNING",
+               KITE_METRICS_PORT=str(metrics_port))
+    pool = subprocess.Popen([sys.executable, "-m", "kite_ru_pool"], env=env)
+    nc = await nats.connect(nats_srv.url)
+    client = PoolClient(nc, lookup_timeout_s=1.0, get_timeout_s=10.0)
+    try:
+        while True:
+            try:
+                raw = await nc.request(subjects.POOL_ADMIN, PoolAdminRequest(op="stats").encode(), timeout=0.5)
+                if PoolAdminReply.decode(raw.data).counters["rebuilding"] == 0:
+                    break
+            except Exception:
+                pass
+            await asyncio.sleep(0.1)
+        for _, d in chain_a:
+            await client.put(d)
+        await nc.flush()
+        while (await client.lookup(fp_a, [h for h, _ in chain_a])).warm < n:
+            await asyncio.sleep(0.05)
+
+        hashes_a = [h for h, _ in chain_a]
+        echo = subprocess.Popen([sys.executable, "-c", ECHO, nats_srv.url])
+        await asyncio.sleep(1.0)
+        await bench_lookup(client, fp_a, hashes_a, args.rate, 1.0)  # warm-up
+        await bench_lookup(client, fp_a, hashes_a, args.rate, args.seconds)
+        await bench_lookup(client, fp_a, hashes_a, args.rate, args.seconds, echo=True)
+        echo.terminate()
+        echo.wait(5)
+        print_server_side(metrics_port)
+
+        await bench_fetch("hot  via NATS (pool get)", lambda: _count(client.get(fp_a, hashes_a)), n,
+                          unit_bytes, repeat=3)
+        for _, d in chain_b:  # evicts chain A from hot (it stays in warm)
+            await client.put(d)
+        await nc.flush()
+        while (r := await client.lookup(fp_a, hashes_a)).hot > 0 or r.warm < n:
+            await asyncio.sleep(0.05)
+        await bench_fetch("warm via NATS (pool get)", lambda: _count(client.get(fp_a, hashes_a)), n, unit_bytes)
+        hashes_cold = [h for h, _ in chain_cold]
+        await bench_fetch("cold(S3) via NATS (pool get)", lambda: _count(client.get(fp_cold, hashes_cold)), n,
+                          unit_bytes)
+
+        warm = RedisTier(redis_srv.url + "/0", timeout_s=2.0)
+        from kite_shared.tiers.client import TierClient
+        direct_warm = TierClient(warm, None)
+        hashes_b = [h for h, _ in chain_b]
+        await bench_fetch("warm direct (TierClient, 8 conc.)",
+                          lambda: _count(direct_warm.fetch_chain(fp_b, hashes_b)), n, unit_bytes, repeat=3)
+        direct_s3 = TierClient(None, S3Tier(s3_url, "kite-bench", prefix))
+        await bench_fetch("cold(S3) direct (TierClient, 8 conc.)",
+                          lambda: _count(direct_s3.fetch_chain(fp_cold, hashes_cold)), n, unit_bytes, repeat=3)
+        with tempfile.TemporaryDirectory() as tmp:
+            local = LocalDirTier(tmp)
+            await asyncio.gather(*(local.put(BlockKey.of(fp_b, h), d) for h, d in chain_b))
+            direct_local = TierClient(None, local)
+            await bench_fetch("cold(local dir) direct (TierClient)",
+                              lambda: _count(direct_local.fetch_chain(fp_b, hashes_b)), n, unit_bytes, repeat=3)
+            await local.close()
+        await direct_warm.close()
+        await direct_s3.close()
+    finally:
+        await nc.close()
+        pool.send_signal(signal.SIGTERM)
+        pool.wait(15)
+        await s3.close()
+        s3_proc.terminate()
+        s3_proc.wait(10)
+        redis_srv.stop()
+        nats_srv.stop()
+
+
+def print_server_side(port: int) -> None:
+    """Pool-side time per lookup (decode, index walk, encode, respond) from its histogram."""
+    import urllib.request
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    buckets = []
+    for line in body.splitlines():
+        if line.startswith("kite_pool_lookup_seconds_bucket"):
+            le = line.split('le="')[1].split('"')[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
+        elif line.startswith("kite_pool_lookup_seconds_count"):
+            count = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("kite_pool_lookup_seconds_sum"):
+            total = float(line.rsplit(" ", 1)[1])
+    def upper(q: float) -> float:
+        return next(le for le, c in buckets if c >= q * count)
+    print(f"server  lookups={count:.0f}  mean={total / count * 1e3:.3f} ms  "
+          f"p50<={upper(0.5) * 1e3:.3f} ms  p99<={upper(0.99) * 1e3:.3f} ms (histogram bucket bounds)")
+
+
+async def _count(coro) -> int:
+    return len(await coro)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
