@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -49,7 +50,7 @@ class LocalStack:
         self.options = options
         self.http_port = options.http_port or free_port()
         self.grpc_port = options.grpc_port or free_port()
-        self.log_dir = options.log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"kite-stack-{os.getpid()}"
+        self.log_dir = options.log_dir or Path(tempfile.mkdtemp(prefix="kite-stack-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.nats: LocalServer | None = None
         self.redis: LocalServer | None = None
@@ -75,6 +76,8 @@ class LocalStack:
         })
         if self.redis is not None:
             env["KITE_REDIS_URL"] = self.redis.url
+        # A local dev stack has no API keys: auth is off unless the caller's environment turns it on.
+        env.setdefault("KITE_AUTH_ENABLED", "off")
         env.update(self.options.env)
         return env
 
@@ -144,6 +147,25 @@ class LocalStack:
             except subprocess.TimeoutExpired:
                 proc.process.kill()
                 proc.process.wait()
+
+    def restart_services(self, timeout_s: float = 180.0) -> None:
+        """Stop every KITE process and start them again; nats-server and redis-server keep running."""
+        num_workers = len(self.workers())
+        for proc in list(self.processes):
+            self.stop_process(proc)
+        self.processes.clear()
+        for name in self.options.services:
+            self.start_service(name)
+        for _ in range(num_workers):
+            self.start_worker()
+        self.wait_healthy(timeout_s)
+
+    def restart_nats(self, down_s: float = 1.0) -> None:
+        """Stop the stack's nats-server and start a new one on the same port (services must reconnect)."""
+        port = self.nats.port
+        self.nats.stop()
+        time.sleep(down_s)
+        self.nats = start_nats(port=port, log_file=self.log_dir / "nats-server.log")
 
     def stop(self) -> None:
         # Gateway first (stops taking requests), workers last among services (finish streams).

@@ -53,6 +53,7 @@ class Setting:
     services: tuple[str, ...]  # which services read it ("all" for every one)
     help: str  # one sentence for docs/config.md
     minimum: float | None = None  # inclusive lower bound for numbers
+    secret: bool = False  # never shown in a config object's repr (so never logged by accident)
 
     def parse(self, raw: str) -> Any:
         try:
@@ -117,6 +118,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KITE_GATEWAY_WORKER_DEAD_AFTER_S", float, "3.0", GATEWAY,
             "A worker whose last heartbeat is older than this is dead: /health turns 503 and its "
             "streams fail.", minimum=0.1),
+    Setting("KITE_GATEWAY_MAX_MIGRATIONS", int, "2", GATEWAY,
+            "Times a stream may move to another worker when its worker dies or its stream breaks "
+            "(prompt + tokens already sent are re-submitted; the client sees one stream); 0 turns "
+            "request migration off.", minimum=0),
     Setting("KITE_GATEWAY_MAX_N", int, "8", GATEWAY, "Largest `n` (choices per request) accepted.",
             minimum=1),
     Setting("KITE_GATEWAY_MAX_BODY_BYTES", int, "4194304", GATEWAY,
@@ -140,6 +145,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Also keep full blocks of generated tokens, so a next chat turn reuses the answer."),
     Setting("KITE_WORKER_POOL_WRITE", bool, "on", WORKER,
             "Hand newly computed blocks to the ru-pool service (asynchronously)."),
+    Setting("KITE_WORKER_POOL_READ", bool, "on", WORKER,
+            "Load missing prefix blocks from the ru-pool's tiers when the cost model says loading beats "
+            "recomputing."),
     # --- ru-pool -----------------------------------------------------------------------------------
     Setting("KITE_POOL_HOT_BYTES", int, "2147483648", RU_POOL,
             "Byte budget of the ru-pool's in-memory hot tier (LRU).", minimum=0),
@@ -150,7 +158,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds between lifecycle sweeps (archival, TTL deletion, purges, tier health probes).",
             minimum=0.05),
     Setting("KITE_REDIS_URL", str, "", ("ru-pool", "worker"),
-            "Redis URL of the warm tier (redis://host:port/db); empty turns the warm tier off."),
+            "Redis URL of the warm tier (redis://host:port/db); empty turns the warm tier off. AUTH and "
+            "TLS go in the URL: redis://user:password@host:port/db, rediss:// for TLS (never logged).",
+            secret=True),
     Setting("KITE_WARM_TTL_S", float, "3600", ("ru-pool", "worker"),
             "Seconds a warm (Redis) block lives after its last write or hit; Redis deletes it then.",
             minimum=1),
@@ -175,6 +185,32 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KITE_S3_REGION", str, "us-east-1", ("ru-pool", "worker"), "Region of the S3 cold tier."),
     Setting("KITE_COLD_DIR", Path, "~/.cache/kite/cold", ("ru-pool", "worker"),
             "Folder of the cold tier when KITE_S3_ENDPOINT is empty; empty value is not allowed."),
+    # --- security ----------------------------------------------------------------------------------
+    Setting("KITE_AUTH_ENABLED", bool, "on", GATEWAY,
+            "Require an API key (HTTP `Authorization: Bearer`, gRPC metadata `authorization`) on /v1 "
+            "and Generate; off serves everyone as tenant `anonymous` (`make run` and tests turn it off)."),
+    Setting("KITE_API_KEYS_FILE", str, "", GATEWAY,
+            "YAML or JSON file mapping tenant -> list of SHA-256 hex digests of its API keys (never the "
+            "keys themselves; `kite keys hash`); empty: none."),
+    Setting("KITE_API_KEYS", str, "", GATEWAY,
+            "More API keys as a comma list `tenant:sha256hex`, added to those of KITE_API_KEYS_FILE."),
+    Setting("KITE_CLUSTER_SECRET", str, "", ("worker", "ru-pool"),
+            "Secret keying the HMAC every recyclable unit carries; must be equal on every node. Empty: "
+            "a per-install random secret in KITE_CLUSTER_SECRET_FILE (one machine only; logs a warning).",
+            secret=True),
+    Setting("KITE_CLUSTER_SECRET_FILE", Path, "~/.cache/kite/cluster-secret", ("worker", "ru-pool"),
+            "Where the per-install cluster secret is kept (created 0600 on first use) when "
+            "KITE_CLUSTER_SECRET is empty."),
+    Setting("KITE_NATS_USER", str, "", ALL, "NATS user name (with KITE_NATS_PASSWORD); empty: none."),
+    Setting("KITE_NATS_PASSWORD", str, "", ALL, "NATS password of KITE_NATS_USER.", secret=True),
+    Setting("KITE_NATS_TOKEN", str, "", ALL, "NATS authentication token; empty: none.", secret=True),
+    Setting("KITE_NATS_NKEY_SEED_FILE", str, "", ALL,
+            "File holding the NKey seed this service authenticates to NATS with; empty: none."),
+    Setting("KITE_NATS_TLS_CA", str, "", ALL,
+            "CA bundle that verifies the NATS server (turns TLS on); empty: system CAs when the URL is "
+            "tls://, else no TLS."),
+    Setting("KITE_NATS_TLS_CERT", str, "", ALL, "Client certificate for NATS mutual TLS (with KITE_NATS_TLS_KEY)."),
+    Setting("KITE_NATS_TLS_KEY", str, "", ALL, "Private key of KITE_NATS_TLS_CERT."),
 )
 
 _BY_ENV: dict[str, Setting] = {s.env: s for s in SETTINGS}
@@ -189,7 +225,8 @@ def setting(name: str) -> Setting:
 
 def env(name: str) -> Any:
     """Declare a config field read from registry variable `name` (checked at import time)."""
-    return dataclasses.field(metadata={"env": setting(name).env})
+    spec = setting(name)
+    return dataclasses.field(metadata={"env": spec.env}, repr=not spec.secret)
 
 
 T = TypeVar("T")
@@ -220,6 +257,13 @@ class CommonConfig:
     log_level: str = env("KITE_LOG_LEVEL")
     instance_id: str = env("KITE_INSTANCE_ID")
     heartbeat_interval_s: float = env("KITE_HEARTBEAT_INTERVAL_S")
+    nats_user: str = env("KITE_NATS_USER")
+    nats_password: str = env("KITE_NATS_PASSWORD")
+    nats_token: str = env("KITE_NATS_TOKEN")
+    nats_nkey_seed_file: str = env("KITE_NATS_NKEY_SEED_FILE")
+    nats_tls_ca: str = env("KITE_NATS_TLS_CA")
+    nats_tls_cert: str = env("KITE_NATS_TLS_CERT")
+    nats_tls_key: str = env("KITE_NATS_TLS_KEY")
 
 
 @dataclass(frozen=True)
@@ -251,8 +295,12 @@ class GatewayConfig:
     admit_timeout_s: float = env("KITE_ADMIT_TIMEOUT_S")
     stream_idle_timeout_s: float = env("KITE_GATEWAY_STREAM_IDLE_TIMEOUT_S")
     worker_dead_after_s: float = env("KITE_GATEWAY_WORKER_DEAD_AFTER_S")
+    max_migrations: int = env("KITE_GATEWAY_MAX_MIGRATIONS")
     max_n: int = env("KITE_GATEWAY_MAX_N")
     max_body_bytes: int = env("KITE_GATEWAY_MAX_BODY_BYTES")
+    auth_enabled: bool = env("KITE_AUTH_ENABLED")
+    api_keys_file: str = env("KITE_API_KEYS_FILE")
+    api_keys: str = env("KITE_API_KEYS")
 
 
 @dataclass(frozen=True)
@@ -272,6 +320,7 @@ class WorkerConfig:
     cache_bytes: int = env("KITE_WORKER_CACHE_BYTES")
     cache_generated: bool = env("KITE_WORKER_CACHE_GENERATED")
     pool_write: bool = env("KITE_WORKER_POOL_WRITE")
+    pool_read: bool = env("KITE_WORKER_POOL_READ")
     metrics_port: int = env("KITE_METRICS_PORT")
 
 
@@ -298,6 +347,14 @@ class TierConfig:
     s3_prefix: str = env("KITE_S3_PREFIX")
     s3_region: str = env("KITE_S3_REGION")
     cold_dir: Path = env("KITE_COLD_DIR")
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """The cluster secret that keys recyclable-unit MACs (kite_shared.security.ru_key)."""
+
+    cluster_secret: str = env("KITE_CLUSTER_SECRET")
+    cluster_secret_file: Path = env("KITE_CLUSTER_SECRET_FILE")
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """Recyclable units (RUs): one KV block for all layers plus the metadata that proves what it is.
 
-Binary format, version 1 (all integers big-endian; no pickle anywhere, so decoding untrusted bytes
+Binary format, version 2 (all integers big-endian; no pickle anywhere, so decoding untrusted bytes
 cannot run code):
 
-    offset 0   4 bytes   magic b"KRU" + format version byte (0x01)
+    offset 0   4 bytes   magic b"KRU" + format version byte (0x02)
     offset 4   4 bytes   header length H (uint32)
     offset 8   H bytes   msgpack map (the header):
                  block_hash        bin(32)  the block's CF hash (kite_shared.fingerprint)
@@ -15,11 +15,21 @@ cannot run code):
                  codec             str      "fp16" | "bf16" | "fp32": element type of the payload
                  shape             [int]*5  [num_layers, 2 (key, value), num_kv_heads, num_tokens, head_dim]
                  checksum          bin(32)  SHA-256 of the payload bytes
+                 mac               bin(32) | nil   HMAC-SHA256 with the cluster key (see below); nil
+                                   when encoded without a key
     offset 8+H           payload: the tensor, C order, little-endian elements
 
+Version 2 added `mac`: HMAC-SHA256(key, "kite.ru.v2/mac" | block_hash | parent_hash |
+len32+model_fingerprint | block_index u64 | num_tokens u64 | created_at f64 | len32+codec | shape 5 x u64 |
+checksum | payload). The fields are fed in this fixed binary form (not as the msgpack bytes), so the MAC
+does not depend on how a msgpack library orders or sizes things. The key is derived from the cluster
+secret (`kite_shared.security.ru_key`, KITE_CLUSTER_SECRET): a unit written by a process without the
+secret, or altered after writing (checksum recomputed or not), fails with `RUAuthError`. Version 1 units
+(no mac) are refused as a format error: a cache entry of the old format is a miss.
+
 `decode` checks magic, version, header types, that the shape matches num_tokens and the codec's element
-size matches the payload length, and the checksum, and (when given) that the block hash is the one asked
-for. Anything else raises a subclass of `RUError`: callers treat that as a miss, never as a load.
+size matches the payload length, the checksum, the MAC (when a key is given; a unit without one then
+fails), and (when given) that the block hash and model are the ones asked for. Anything else raises a subclass of `RUError`: callers treat that as a miss, never as a load.
 
 Pure logic: no I/O, no torch (the worker turns payloads into tensors with `torch.frombuffer`).
 """
@@ -27,6 +37,7 @@ Pure logic: no I/O, no torch (the worker turns payloads into tensors with `torch
 from __future__ import annotations
 
 import hashlib
+import hmac
 import math
 import struct
 import time
@@ -35,7 +46,9 @@ from dataclasses import dataclass, field
 import msgpack
 
 MAGIC = b"KRU"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_MAC_DOMAIN = b"kite.ru.v2/mac"
+MAC_BYTES = 32
 _PREAMBLE = struct.Struct(">3sBI")  # magic, version, header length
 MAX_HEADER_BYTES = 4096
 
@@ -59,6 +72,10 @@ class RUKeyMismatchError(RUError):
     """A valid unit, but not the block (or model) that was asked for."""
 
 
+class RUAuthError(RUError):
+    """The unit's HMAC is missing or wrong: not written by a holder of the cluster secret, or altered."""
+
+
 @dataclass(frozen=True)
 class RecyclableUnit:
     block_hash: bytes
@@ -78,8 +95,25 @@ class RecyclableUnit:
     def checksum(self) -> bytes:
         return hashlib.sha256(self.payload).digest()
 
-    def encode(self) -> bytes:
+    def mac(self, key: bytes, checksum: bytes | None = None) -> bytes:
+        """HMAC-SHA256 of the unit's identity, header fields and payload (module docstring)."""
+        fp = self.model_fingerprint.encode("utf-8")
+        codec = self.codec.encode("utf-8")
+        if not 0 <= self.block_index < 2**64:
+            raise RUFormatError("block index out of range")
+        h = hmac.new(key, digestmod=hashlib.sha256)
+        h.update(_MAC_DOMAIN + bytes(self.block_hash) + bytes(self.parent_hash)
+                 + struct.pack(">I", len(fp)) + fp
+                 + struct.pack(">QQd", self.block_index, self.num_tokens, float(self.created_at))
+                 + struct.pack(">I", len(codec)) + codec + struct.pack(">5Q", *self.shape)
+                 + (checksum if checksum is not None else self.checksum()))
+        h.update(self.payload)
+        return h.digest()
+
+    def encode(self, key: bytes | None = None) -> bytes:
+        """The unit's bytes; with `key` (the cluster RU key) it carries an HMAC readers can verify."""
         _check_geometry(self.codec, self.shape, self.num_tokens, len(self.payload))
+        checksum = self.checksum()
         header = msgpack.packb({
             "block_hash": self.block_hash,
             "parent_hash": self.parent_hash,
@@ -89,7 +123,8 @@ class RecyclableUnit:
             "created_at": self.created_at,
             "codec": self.codec,
             "shape": list(self.shape),
-            "checksum": self.checksum(),
+            "checksum": checksum,
+            "mac": None if key is None else self.mac(key, checksum),
         }, use_bin_type=True)
         return _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header)) + header + self.payload
 
@@ -109,8 +144,9 @@ def _check_geometry(codec: str, shape: tuple[int, ...], num_tokens: int, payload
 
 
 def decode(data: bytes, expected_hash: bytes | None = None,
-           expected_model: str | None = None) -> RecyclableUnit:
-    """Parse and verify `data`; see the module docstring for what is checked."""
+           expected_model: str | None = None, key: bytes | None = None) -> RecyclableUnit:
+    """Parse and verify `data`; see the module docstring for what is checked. With `key`, a unit whose
+    MAC is absent or wrong raises RUAuthError."""
     if len(data) < _PREAMBLE.size:
         raise RUFormatError("too short for a recyclable unit")
     magic, version, header_len = _PREAMBLE.unpack_from(data)
@@ -139,6 +175,11 @@ def decode(data: bytes, expected_hash: bytes | None = None,
             payload=bytes(memoryview(data)[_PREAMBLE.size + header_len:]),
         )
         checksum = _typed(header, "checksum", bytes)
+        if "mac" not in header:
+            raise ValueError("header lacks 'mac'")
+        mac = header["mac"]
+        if mac is not None and (not isinstance(mac, bytes) or len(mac) != MAC_BYTES):
+            raise ValueError("header field 'mac' has the wrong type")
     except (TypeError, ValueError) as exc:
         raise RUFormatError(str(exc)) from None
     if len(unit.block_hash) != 32 or len(unit.parent_hash) != 32:
@@ -148,6 +189,11 @@ def decode(data: bytes, expected_hash: bytes | None = None,
     _check_geometry(unit.codec, unit.shape, unit.num_tokens, len(unit.payload))
     if unit.checksum() != checksum:
         raise RUChecksumError("payload checksum mismatch")
+    if key is not None:
+        if mac is None:
+            raise RUAuthError("unit carries no MAC")
+        if not hmac.compare_digest(unit.mac(key, checksum), mac):
+            raise RUAuthError("unit MAC mismatch: not written with this cluster secret, or altered")
     if expected_hash is not None and unit.block_hash != expected_hash:
         raise RUKeyMismatchError("unit holds a different block than requested")
     if expected_model is not None and unit.model_fingerprint != expected_model:

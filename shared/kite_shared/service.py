@@ -19,8 +19,10 @@ import asyncio
 import json
 import logging
 import signal
+import ssl
 import sys
 import time
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import nats
@@ -28,8 +30,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from kite_shared import subjects
-from kite_shared.config import CommonConfig, default_instance_id, load
+from kite_shared.config import CommonConfig, ConfigError, default_instance_id, load
 from kite_shared.messages import Heartbeat, Ping, Pong
+from kite_shared.security import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +68,48 @@ def setup_logging(service: str, instance_id: str, level: str) -> None:
     root.setLevel(level.upper())
 
 
-async def connect_nats(url: str, name: str) -> NATS:
+def nats_auth_options(common: CommonConfig | None) -> dict[str, Any]:
+    """nats.connect keyword arguments for credentials and TLS from the registry (KITE_NATS_*).
+
+    User/password, token and NKey seed file are exclusive choices of NATS server auth; credentials may
+    also be in the URL (nats://user:pass@host), which is never logged unredacted. A CA, client cert or
+    key turns TLS on (a tls:// URL turns it on with the system CAs).
+    """
+    if common is None:
+        return {}
+    options: dict[str, Any] = {}
+    if common.nats_user or common.nats_password:
+        options.update(user=common.nats_user, password=common.nats_password)
+    if common.nats_token:
+        options["token"] = common.nats_token
+    if common.nats_nkey_seed_file:
+        try:
+            import nkeys  # noqa: F401  (nats-py signs the server's nonce with it)
+        except ImportError:
+            raise ConfigError("KITE_NATS_NKEY_SEED_FILE needs the `nkeys` package (pip install nkeys)") from None
+        if not Path(common.nats_nkey_seed_file).expanduser().is_file():
+            raise ConfigError("KITE_NATS_NKEY_SEED_FILE: no such file")
+        options["nkeys_seed"] = str(Path(common.nats_nkey_seed_file).expanduser())
+    if sum(bool(x) for x in (common.nats_user or common.nats_password, common.nats_token,
+                             common.nats_nkey_seed_file)) > 1:
+        raise ConfigError("set only one of KITE_NATS_USER/KITE_NATS_PASSWORD, KITE_NATS_TOKEN and "
+                          "KITE_NATS_NKEY_SEED_FILE")
+    if common.nats_tls_ca or common.nats_tls_cert or common.nats_tls_key:
+        if bool(common.nats_tls_cert) != bool(common.nats_tls_key):
+            raise ConfigError("KITE_NATS_TLS_CERT and KITE_NATS_TLS_KEY go together")
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=common.nats_tls_ca or None)
+        if common.nats_tls_cert:
+            context.load_cert_chain(common.nats_tls_cert, common.nats_tls_key)
+        options["tls"] = context
+    return options
+
+
+async def connect_nats(url: str, name: str, common: CommonConfig | None = None) -> NATS:
+    """Connect with reconnects forever; credentials and TLS from `common` (nats_auth_options)."""
+    options = nats_auth_options(common)
+
     async def on_error(exc: Exception) -> None:
-        log.warning("NATS error: %s", exc)
+        log.warning("NATS error: %s", _scrub(str(exc), common))
 
     async def on_disconnect() -> None:
         log.warning("NATS disconnected; reconnecting")
@@ -83,7 +125,17 @@ async def connect_nats(url: str, name: str) -> NATS:
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
+        **options,
     )
+
+
+def _scrub(text: str, common: CommonConfig | None) -> str:
+    """`text` with any configured NATS secret replaced, in case a client error echoes one."""
+    if common is not None:
+        for secret in (common.nats_password, common.nats_token):
+            if secret:
+                text = text.replace(secret, "***")
+    return text
 
 
 class ServiceRuntime:
@@ -109,7 +161,7 @@ class ServiceRuntime:
                          sent_at=time.time(), draining=self.draining, **self._heartbeat_fields())
 
     async def start(self) -> None:
-        self.nc = await connect_nats(self.common.nats_url, self.instance_id)
+        self.nc = await connect_nats(self.common.nats_url, self.instance_id, self.common)
         await self.nc.subscribe(subjects.ping(self.service), queue=self.service, cb=self._on_ping)
         self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
 
@@ -164,7 +216,7 @@ def run_service(service: str, setup: Callable[[ServiceRuntime], Awaitable[None]]
             loop.add_signal_handler(sig, stop.set)
         await runtime.start()
         await setup(runtime)
-        log.info("%s ready (instance %s, NATS %s)", service, runtime.instance_id, common.nats_url)
+        log.info("%s ready (instance %s, NATS %s)", service, runtime.instance_id, redact_url(common.nats_url))
         await stop.wait()
         log.info("%s draining", service)
         await runtime.shutdown()

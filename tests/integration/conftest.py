@@ -15,6 +15,8 @@ class RunningStack(LocalStack):
 
 def _start(options: StackOptions) -> RunningStack:
     stack = RunningStack(options)
+    # Each stack gets its own cold tier folder: tests never share or leave blocks in ~/.cache/kite/cold.
+    stack.options.env.setdefault("KITE_COLD_DIR", str(stack.log_dir / "cold"))
     try:
         stack.start()
     except BaseException:

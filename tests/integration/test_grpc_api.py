@@ -28,6 +28,7 @@ from kite_shared.messages import (Admission, Cancel, ErrorInfo, GenerateRequest,
 from kite_gateway.fleet import Fleet
 from kite_gateway.generation import GenerationClient
 from kite_gateway.grpc_api import KiteService, start_grpc_server
+from kite_shared.security import tenant_cache_salt
 
 QUESTION = kite_pb2.ChatMessages(
     messages=[kite_pb2.Message(role="user", content="What is the capital of France?")])
@@ -306,7 +307,8 @@ async def test_request_fields_reach_the_services(scripted):
     assert seen.prompt is None and seen.prompt_token_ids is None
     s = seen.sampling
     assert (s.max_tokens, s.temperature, s.top_p, s.seed, s.stop) == (7, 1.0, 0.5, -5 % 2**63, ["\n", "END"])
-    assert seen.reuse is False and seen.cache_salt == "tenant-a"
+    # The salt services see is derived from the tenant (auth off here: "anonymous") and the client's salt.
+    assert seen.reuse is False and seen.cache_salt == tenant_cache_salt("anonymous", "tenant-a")
 
     await _scripted_call(scripted, "ok", temperature=0.0)
     s = scripted.requests[-1].sampling

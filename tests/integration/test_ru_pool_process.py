@@ -19,6 +19,7 @@ from kite_cli.local_servers import free_port
 from kite_shared.messages import Ping, PoolAdminReply, PoolAdminRequest, Pong
 from kite_shared import subjects
 from kite_shared.recyclable_unit import RecyclableUnit
+from kite_shared.security import ru_key
 from kite_shared.tiers.pool_client import PoolClient
 
 
@@ -28,7 +29,7 @@ def chain(fp: str, n: int) -> list[tuple[bytes, bytes]]:
         h = hashlib.sha256(parent + bytes([i])).digest()
         unit = RecyclableUnit(block_hash=h, parent_hash=parent, model_fingerprint=fp, block_index=i,
                               num_tokens=16, codec="fp16", shape=(2, 2, 1, 16, 4), payload=bytes([i]) * 512)
-        out.append((h, unit.encode()))
+        out.append((h, unit.encode(key=ru_key())))
         parent = h
     return out
 

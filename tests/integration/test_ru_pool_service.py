@@ -21,6 +21,7 @@ from kite_ru_pool.service import PoolService
 from kite_shared.config import RuPoolConfig, TierConfig, load
 from kite_shared.messages import PoolAdminRequest
 from kite_shared.recyclable_unit import RecyclableUnit, decode
+from kite_shared.security import ru_key
 from kite_shared.tiers import metrics
 from kite_shared.tiers.keys import BlockKey, object_key, redis_key
 from kite_shared.tiers.pool_client import PoolClient
@@ -41,7 +42,7 @@ def make_chain(fp: str, n: int) -> list[tuple[bytes, bytes]]:
         payload = bytes((i * 13 + j) % 251 for j in range(2 * 2 * 1 * 16 * 4 * 2))
         unit = RecyclableUnit(block_hash=h, parent_hash=parent, model_fingerprint=fp, block_index=i,
                               num_tokens=16, codec="fp16", shape=SHAPE, payload=payload)
-        out.append((h, unit.encode()))
+        out.append((h, unit.encode(key=ru_key())))
         parent = h
     return out
 

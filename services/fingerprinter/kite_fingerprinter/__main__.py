@@ -12,6 +12,7 @@ from kite_shared import model_store, subjects
 from kite_shared.config import FingerprinterConfig, ModelConfig, load
 from kite_shared.messages import Admission, ErrorInfo, GenerateRequest, MessageError
 from kite_shared.service import ServiceRuntime, run_service
+from kite_shared.tiers.pool_client import PoolClient
 from kite_fingerprinter.core import Fingerprinter, RequestError
 
 log = logging.getLogger("kite_fingerprinter")
@@ -32,6 +33,9 @@ class FingerprinterService:
         self.rt.set_heartbeat_fields(lambda: {"model": self.core.model_name,
                                               "max_context_tokens": self.core.max_context_tokens})
         await self.rt.nc.subscribe(subjects.FINGERPRINT, queue=subjects.FINGERPRINTER_QUEUE, cb=self.on_request)
+        # Freshness: the ru-pool stops serving (and purges) blocks of any earlier fingerprint of this model.
+        await PoolClient(self.rt.nc).model_fingerprint_changed(self.core.model_name,
+                                                               self.core.identity.fingerprint_hex)
 
     async def on_request(self, msg: Msg) -> None:
         admission = await self._admit(msg.data)

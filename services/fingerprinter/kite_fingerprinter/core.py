@@ -49,6 +49,14 @@ class Fingerprinter:
                          "completion length.")))
         if max_tokens is None:
             max_tokens = min(self.default_max_tokens, room)
+        resumed = list(request.resume_token_ids)
+        if resumed:  # request migration: continue the answer an earlier worker began
+            self._check_vocab(resumed, "resume_token_ids")
+            if len(resumed) >= max_tokens:
+                raise RequestError(ErrorInfo(code="invalid_prompt", param="resume_token_ids",
+                                             message="resume_token_ids already reach max_tokens"))
+            prompt = prompt + resumed
+            max_tokens -= len(resumed)
         started = time.perf_counter()
         hashes = block_hash_chain(prompt, self.block_size, self.identity.root, request.cache_salt)
         self.last_cf_seconds = time.perf_counter() - started
@@ -58,7 +66,7 @@ class Fingerprinter:
             reuse=request.reuse, cache_salt=request.cache_salt,
             model_fingerprint=self.identity.fingerprint_hex, block_size=self.block_size,
             block_hashes=[bytes(h) for h in hashes], stream_subject=request.stream_subject,
-            created_at=request.created_at)
+            created_at=request.created_at, num_resumed_tokens=len(resumed))
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
         if request.messages is not None:
@@ -73,10 +81,13 @@ class Fingerprinter:
         if request.prompt is not None:
             return list(self.tokenizer(request.prompt)["input_ids"])
         if request.prompt_token_ids is not None:
-            vocab = len(self.tokenizer)
-            bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
-            if bad:
-                raise RequestError(ErrorInfo(code="invalid_prompt", param="prompt",
-                                             message=f"Token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"))
+            self._check_vocab(request.prompt_token_ids, "prompt")
             return list(request.prompt_token_ids)
         raise RequestError(ErrorInfo(code="invalid_prompt", param="prompt", message="No prompt given"))
+
+    def _check_vocab(self, ids: list[int], param: str) -> None:
+        vocab = len(self.tokenizer)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(ErrorInfo(code="invalid_prompt", param=param,
+                                         message=f"Token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"))

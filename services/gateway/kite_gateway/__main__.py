@@ -12,6 +12,7 @@ from kite_shared import subjects
 from kite_shared.config import GatewayConfig, load
 from kite_shared.messages import Heartbeat, MessageError
 from kite_shared.service import ServiceRuntime, run_service
+from kite_gateway.auth import Authenticator
 from kite_gateway.fleet import Fleet
 from kite_gateway.generation import GenerationClient
 from kite_gateway.http_api import create_app
@@ -31,9 +32,15 @@ async def start_gateway(rt: ServiceRuntime, cfg: GatewayConfig) -> GenerationCli
     await rt.nc.subscribe(subjects.HEARTBEAT_WILDCARD, cb=on_heartbeat)
     client = GenerationClient(nc=rt.nc, fleet=fleet, gateway_id=rt.instance_id.replace(".", "_"),
                               admit_timeout_s=cfg.admit_timeout_s,
-                              stream_idle_timeout_s=cfg.stream_idle_timeout_s)
+                              stream_idle_timeout_s=cfg.stream_idle_timeout_s,
+                              max_migrations=cfg.max_migrations)
 
-    app = create_app(lambda: client, cfg.model_name, cfg.max_n, cfg.max_body_bytes)
+    authenticator = Authenticator.from_config(cfg)
+    if not authenticator.enabled:
+        log.warning("authentication is off (KITE_AUTH_ENABLED=off): every caller is tenant 'anonymous'")
+    else:
+        log.info("authentication on: %d tenant(s)", len(authenticator.tenants))
+    app = create_app(lambda: client, cfg.model_name, cfg.max_n, cfg.max_body_bytes, authenticator)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.http_port, log_level="warning",
                                            access_log=False, lifespan="off"))
     http_task = asyncio.create_task(server.serve())
@@ -41,7 +48,7 @@ async def start_gateway(rt: ServiceRuntime, cfg: GatewayConfig) -> GenerationCli
     if cfg.grpc_port:
         from kite_gateway.grpc_api import start_grpc_server
 
-        grpc_server = await start_grpc_server(client, cfg)
+        grpc_server = await start_grpc_server(client, cfg, authenticator)
         stoppers.append(lambda: grpc_server.stop(grace=30))
 
     async def drain() -> None:

@@ -49,4 +49,7 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else {}
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else {}
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return headers

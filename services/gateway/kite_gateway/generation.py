@@ -9,6 +9,13 @@ events back). Boundary: knows NATS subjects and messages, and the `Fleet` (heart
     events() yields TokenChunk / StreamEnd; fails with ApiError when the worker reports an error, when
              its heartbeats stop (it died), or when the stream is silent for the idle timeout.
     close()  unsubscribes; if the stream did not finish (client went away) tells workers to cancel.
+
+Request migration (as Dynamo does): when the serving worker dies (its heartbeats stop), the stream is
+silent for the idle timeout, or stream events were lost, `events()` re-submits the request, under a new
+request id, with the tokens already streamed as `resume_token_ids`. The fingerprinter appends them to the
+prompt, a live worker continues the answer, and the consumer sees one seamless stream: no token lost or
+repeated (the new worker primes its detokenizer with those tokens), usage counted over both. At most
+`max_migrations` times per generation; otherwise, or when no worker takes it, a clean ApiError.
 """
 
 from __future__ import annotations
@@ -24,8 +31,11 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 
 from kite_shared import subjects
+from prometheus_client import Counter
+
 from kite_shared.messages import (Admission, Cancel, ChatMessage, ErrorInfo, GenerateRequest, MessageError,
-                                  SamplingParams, StreamEnd, StreamError, TokenChunk, decode_stream_event)
+                                  SamplingParams, StreamEnd, StreamError, TokenChunk, Usage,
+                                  decode_stream_event)
 from kite_gateway.errors import ApiError
 from kite_gateway.fleet import Fleet
 
@@ -33,6 +43,20 @@ log = logging.getLogger(__name__)
 
 # How often a waiting stream re-checks that its worker is still alive.
 _LIVENESS_POLL_S = 0.5
+# A migration must be admitted quickly: the client is waiting mid-stream (a clean error within seconds,
+# never a hung stream).
+_MIGRATION_ADMIT_TIMEOUT_S = 5.0
+
+MIGRATIONS = Counter("kite_gateway_migrations_total",
+                     "Generations re-submitted to another worker mid-stream, by outcome", ["outcome"])
+
+
+class _Migratable(Exception):
+    """The attempt's worker is gone or its stream is broken: the generation may continue elsewhere."""
+
+    def __init__(self, info: ErrorInfo) -> None:
+        super().__init__(info.message)
+        self.info = info
 
 
 @dataclass
@@ -49,15 +73,32 @@ class GenerationParams:
 @dataclass
 class Generation:
     client: "GenerationClient"
-    request_id: str
-    worker_id: str
-    prompt_tokens: int
+    request_id: str  # of the current attempt (a migration opens a new one)
+    worker_id: str  # serving the current attempt
+    prompt_tokens: int  # of the original prompt
     _subscription: object
+    params: "GenerationParams | None" = None  # needed to migrate; None disables migration
     _started: float = field(default_factory=time.monotonic)
     _finished: bool = False
     first_token_at: float | None = None
+    migrations: int = 0
+    _streamed_ids: list[int] = field(default_factory=list)  # tokens handed to the consumer so far
+    _resumed: int = 0  # tokens the current attempt was given as already generated
 
     async def events(self) -> AsyncIterator[TokenChunk | StreamEnd]:
+        while True:
+            try:
+                async for event in self._attempt_events():
+                    if isinstance(event, StreamEnd):
+                        yield self._total_usage(event)
+                        return
+                    self._streamed_ids.extend(event.token_ids)
+                    yield event
+                return
+            except _Migratable as exc:
+                await self._migrate(exc.info)
+
+    async def _attempt_events(self) -> AsyncIterator[TokenChunk | StreamEnd]:
         expected_seq = 0
         idle_deadline = time.monotonic() + self.client.stream_idle_timeout_s
         while True:
@@ -65,10 +106,10 @@ class Generation:
                 msg = await self._subscription.next_msg(timeout=_LIVENESS_POLL_S)
             except NatsTimeoutError:
                 if not self.client.fleet.is_alive("worker", self.worker_id):
-                    raise ApiError.from_info(ErrorInfo(
+                    raise _Migratable(ErrorInfo(
                         code="worker_lost", message="The worker serving this request stopped responding"))
                 if time.monotonic() > idle_deadline:
-                    raise ApiError.from_info(ErrorInfo(
+                    raise _Migratable(ErrorInfo(
                         code="stream_timeout", message="The worker sent nothing within the stream timeout"))
                 continue
             idle_deadline = time.monotonic() + self.client.stream_idle_timeout_s
@@ -78,8 +119,9 @@ class Generation:
                 log.error("invalid stream event for %s: %s", self.request_id, exc)
                 raise ApiError.from_info(ErrorInfo(code="internal_error", message="invalid stream event"))
             if event.seq != expected_seq:
+                # Everything before the gap reached the consumer in order: continue from there elsewhere.
                 log.error("stream %s: expected event %d, got %d", self.request_id, expected_seq, event.seq)
-                raise ApiError.from_info(ErrorInfo(code="internal_error", message="stream events were lost"))
+                raise _Migratable(ErrorInfo(code="internal_error", message="stream events were lost"))
             expected_seq += 1
             if isinstance(event, StreamError):
                 self._finished = True
@@ -92,20 +134,61 @@ class Generation:
                 return
             yield event
 
+    def _total_usage(self, end: StreamEnd) -> StreamEnd:
+        """Usage as if one worker had served it: the original prompt, every generated token."""
+        if not self.migrations:
+            return end
+        usage = Usage(prompt_tokens=self.prompt_tokens,
+                      completion_tokens=self._resumed + end.usage.completion_tokens,
+                      cached_tokens=min(end.usage.cached_tokens, self.prompt_tokens))
+        return end.model_copy(update={"usage": usage})
+
+    async def _migrate(self, reason: ErrorInfo) -> None:
+        """Continue on another worker, or raise ApiError(reason) when that is not allowed or possible."""
+        old_request, old_worker = self.request_id, self.worker_id
+        await self._close_attempt()
+        if self.params is None or self.migrations >= self.client.max_migrations:
+            MIGRATIONS.labels("limit").inc()
+            raise ApiError.from_info(reason)
+        self.migrations += 1
+        resumed = list(self._streamed_ids)
+        log.warning("request %s on %s: %s; migrating with %d tokens already sent (migration %d of %d)",
+                    old_request, old_worker, reason.message, len(resumed), self.migrations,
+                    self.client.max_migrations)
+        try:
+            request_id, subscription, admission = await self.client._admit(
+                self.params, resume_token_ids=resumed,
+                timeout_s=min(self.client.admit_timeout_s, _MIGRATION_ADMIT_TIMEOUT_S))
+        except ApiError as exc:
+            MIGRATIONS.labels("failed").inc()
+            log.warning("migration of %s failed: %s", old_request, exc.message)
+            raise ApiError.from_info(ErrorInfo(
+                code=reason.code if exc.status >= 500 else exc.code or reason.code,
+                message=f"{reason.message}; continuing on another worker failed: {exc.message}")) from None
+        MIGRATIONS.labels("ok").inc()
+        log.info("request %s continues as %s on %s", old_request, request_id, admission.worker_id)
+        self.request_id, self.worker_id, self._subscription = request_id, admission.worker_id, subscription
+        self._resumed = len(resumed)
+        self._finished = False
+
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_at is None else self.first_token_at - self._started
 
-    async def close(self) -> None:
+    async def _close_attempt(self) -> None:
         try:
             await self._subscription.unsubscribe()
-        except Exception as exc:  # connection closing: nothing left to unsubscribe from
+        except Exception as exc:  # connection closing, or already unsubscribed
             log.debug("unsubscribe failed: %s", exc)
         if not self._finished:
+            self._finished = True  # cancel once per attempt
             try:
                 await self.client.nc.publish(subjects.WORKER_CANCEL, Cancel(request_id=self.request_id).encode())
             except Exception as exc:
                 log.warning("could not cancel %s: %s", self.request_id, exc)
+
+    async def close(self) -> None:
+        await self._close_attempt()
 
 
 @dataclass
@@ -115,17 +198,27 @@ class GenerationClient:
     gateway_id: str
     admit_timeout_s: float
     stream_idle_timeout_s: float
+    max_migrations: int = 2  # KITE_GATEWAY_MAX_MIGRATIONS; 0 turns request migration off
 
     async def open(self, params: GenerationParams) -> Generation:
+        request_id, subscription, admission = await self._admit(params)
+        return Generation(client=self, request_id=request_id, worker_id=admission.worker_id,
+                          prompt_tokens=admission.prompt_tokens, _subscription=subscription, params=params)
+
+    async def _admit(self, params: GenerationParams, resume_token_ids: list[int] | None = None,
+                     timeout_s: float | None = None) -> tuple[str, object, Admission]:
+        """Subscribe to a new stream subject, ask the fingerprinter; (request id, subscription, admission)."""
         request_id = uuid.uuid4().hex
         stream_subject = subjects.stream(self.gateway_id, request_id)
         subscription = await self.nc.subscribe(stream_subject)
         request = GenerateRequest(
             request_id=request_id, model=params.model, messages=params.messages, prompt=params.prompt,
             prompt_token_ids=params.prompt_token_ids, sampling=params.sampling, reuse=params.reuse,
-            cache_salt=params.cache_salt, stream_subject=stream_subject)
+            cache_salt=params.cache_salt, stream_subject=stream_subject,
+            resume_token_ids=resume_token_ids or [])
         try:
-            reply = await self.nc.request(subjects.FINGERPRINT, request.encode(), timeout=self.admit_timeout_s)
+            reply = await self.nc.request(subjects.FINGERPRINT, request.encode(),
+                                          timeout=timeout_s or self.admit_timeout_s)
             admission = Admission.decode(reply.data)
         except NoRespondersError:
             await subscription.unsubscribe()
@@ -143,8 +236,7 @@ class GenerationClient:
         if not admission.accepted:
             await subscription.unsubscribe()
             raise ApiError.from_info(admission.error or ErrorInfo(code="internal_error", message="refused"))
-        return Generation(client=self, request_id=request_id, worker_id=admission.worker_id,
-                          prompt_tokens=admission.prompt_tokens, _subscription=subscription)
+        return request_id, subscription, admission
 
     async def ping(self, service: str, timeout_s: float = 1.0) -> bool:
         from kite_shared.messages import Ping

@@ -6,6 +6,9 @@ service error codes, mapped to gRPC status codes instead of HTTP statuses:
 
     400 -> INVALID_ARGUMENT   503 -> UNAVAILABLE   504 -> DEADLINE_EXCEEDED   500 (and anything else) -> INTERNAL
 
+With KITE_AUTH_ENABLED on, Generate needs metadata `authorization: Bearer <key>` (UNAUTHENTICATED
+otherwise, checked before anything else); Health stays open. The tenant decides the cache salt.
+
 A failing call carries trailing metadata `kite-error-code` (the code HTTP reports in error.code) and, when
 a retry may succeed, `retry-after` (seconds). The client's deadline bounds admission and streaming; when
 the call ends early (deadline, client cancel, error) the generation is closed, which tells the worker to
@@ -23,6 +26,8 @@ from prometheus_client import Counter
 from kite_shared.config import GatewayConfig
 from kite_shared.grpc_gen import kite_pb2, kite_pb2_grpc
 from kite_shared.messages import ChatMessage, SamplingParams, StreamEnd
+from kite_shared.security import tenant_cache_salt
+from kite_gateway.auth import Authenticator
 from kite_gateway.errors import ApiError
 from kite_gateway.generation import GenerationClient, GenerationParams
 from kite_gateway.openai_protocol import MAX_STOP_STRINGS
@@ -95,6 +100,42 @@ def generation_params(request: kite_pb2.GenerateRequest) -> GenerationParams:
         reuse=not request.disable_reuse, cache_salt=request.cache_salt)
 
 
+class _Undecodable:
+    """Stands for request bytes that are not a valid GenerateRequest (bad protobuf, invalid UTF-8)."""
+
+
+_UNDECODABLE = _Undecodable()
+
+
+def _decode_generate(data: bytes) -> kite_pb2.GenerateRequest | _Undecodable:
+    # gRPC would answer a deserializer exception with UNKNOWN; bad input is INVALID_ARGUMENT.
+    try:
+        return kite_pb2.GenerateRequest.FromString(data)
+    except Exception:
+        return _UNDECODABLE
+
+
+def _decode_health(data: bytes) -> kite_pb2.HealthRequest:
+    try:
+        return kite_pb2.HealthRequest.FromString(data)
+    except Exception:
+        return kite_pb2.HealthRequest()  # it has no fields: nothing to get wrong
+
+
+def _add_servicer(service: "KiteService", server: grpc.aio.Server) -> None:
+    """kite_pb2_grpc.add_KiteServicer_to_server, with deserializers that never raise."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate, request_deserializer=_decode_generate,
+            response_serializer=kite_pb2.GenerateResponse.SerializeToString),
+        "Health": grpc.unary_unary_rpc_method_handler(
+            service.Health, request_deserializer=_decode_health,
+            response_serializer=kite_pb2.HealthResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kite.v1.Kite", handlers),))
+    server.add_registered_method_handlers("kite.v1.Kite", handlers)
+
+
 class _Failure(Exception):
     """How a call ends when it does not end with an End event."""
 
@@ -121,8 +162,18 @@ class _Failure(Exception):
 
 
 class KiteService(kite_pb2_grpc.KiteServicer):
-    def __init__(self, client: GenerationClient) -> None:
+    def __init__(self, client: GenerationClient, authenticator: Authenticator | None = None) -> None:
         self._client = client
+        self._auth = authenticator or Authenticator.disabled()
+
+    def _tenant(self, context: grpc.aio.ServicerContext) -> str:
+        if not self._auth.enabled:
+            return self._auth.tenant_for_authorization(None)  # "anonymous"
+        metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        try:
+            return self._auth.tenant_for_authorization(metadata.get("authorization"))
+        except ApiError as exc:
+            raise _Failure(grpc.StatusCode.UNAUTHENTICATED, exc.message, exc.code) from None
 
     async def Generate(self, request: kite_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         # A coroutine writing with context.write (not an async generator yielding responses), so the
@@ -138,10 +189,15 @@ class KiteService(kite_pb2_grpc.KiteServicer):
         CALLS.labels("Generate", grpc.StatusCode.OK.name).inc()
 
     async def _generate(self, request: kite_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        tenant = self._tenant(context)
+        if isinstance(request, _Undecodable):
+            raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, "the request is not a valid kite.v1.GenerateRequest "
+                           "(malformed protobuf or invalid UTF-8 in a string field)", "invalid_request")
         try:
             params = generation_params(request)
         except InvalidArgument as exc:
             raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid_value") from None
+        params.cache_salt = tenant_cache_salt(tenant, params.cache_salt)
         # gRPC also cancels this task when the deadline passes, but then the call ends as a bare
         # cancellation; bounding the work here ends it as DEADLINE_EXCEEDED with its error code, and
         # without relying on that. None (no deadline) means no timeout.
@@ -203,7 +259,8 @@ def bind_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-async def start_grpc_server(client: GenerationClient, cfg: GatewayConfig) -> grpc.aio.Server:
+async def start_grpc_server(client: GenerationClient, cfg: GatewayConfig,
+                            authenticator: Authenticator | None = None) -> grpc.aio.Server:
     """Serve kite.v1.Kite on cfg.host:cfg.grpc_port; the caller stops it (server.stop(grace)) to drain."""
     server = grpc.aio.server(options=[
         # gRPC sets SO_REUSEPORT by default, which would let a second gateway silently share the port
@@ -212,7 +269,7 @@ async def start_grpc_server(client: GenerationClient, cfg: GatewayConfig) -> grp
         # The same request size bound as the HTTP API.
         ("grpc.max_receive_message_length", cfg.max_body_bytes),
     ])
-    kite_pb2_grpc.add_KiteServicer_to_server(KiteService(client), server)
+    _add_servicer(KiteService(client, authenticator), server)
     address = bind_address(cfg.host, cfg.grpc_port)
     try:
         port = server.add_insecure_port(address)

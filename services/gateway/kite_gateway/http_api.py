@@ -4,6 +4,10 @@ Every failure is an OpenAI error object with the right status: FastAPI's 422 val
 invalid JSON become 400, service refusals map through `errors.STATUS_BY_CODE`, bodies over the limit
 get 413, and an error after streaming has started is sent as a final SSE `data: {"error": ...}` event
 followed by `data: [DONE]`.
+
+Authentication (`auth.Authenticator`): /v1/* needs `Authorization: Bearer <key>` when KITE_AUTH_ENABLED
+is on (401 `invalid_api_key` / `missing_api_key` otherwise, checked before the body is read); /health,
+/metrics and /openapi.json stay open. The caller's tenant, not the client, decides the cache salt.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kite_shared.messages import StreamEnd, TokenChunk
+from kite_shared.security import tenant_cache_salt
+from kite_gateway.auth import Authenticator
 from kite_gateway.errors import ApiError
 from kite_gateway.generation import Generation, GenerationClient, GenerationParams, collect, gather_open
 from kite_gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest, batch_usage_body, now,
@@ -39,12 +45,35 @@ LATENCY = Histogram("kite_request_duration_seconds", "End-to-end request time",
 CACHED_TOKENS = Counter("kite_gateway_prompt_tokens_total", "Prompt tokens served, by KV source", ["source"])
 
 
+def _json_body(model: type) -> dict:
+    """openapi_extra declaring the JSON body a handler parses itself (so /openapi.json documents it)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+
+
 def create_app(client_factory: Callable[[], GenerationClient], model_name: str, max_n: int,
-               max_body_bytes: int) -> FastAPI:
+               max_body_bytes: int, authenticator: Authenticator | None = None) -> FastAPI:
     app = FastAPI(title="KITE", version="1", docs_url=None, redoc_url=None)
+    auth = authenticator or Authenticator.disabled()
 
     def client() -> GenerationClient:
         return client_factory()
+
+    def tenant_of(request: Request) -> str:
+        """The caller's tenant (ApiError 401 when auth is on and the Bearer key is missing or unknown)."""
+        return auth.tenant_for_authorization(request.headers.get("authorization"))
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -90,8 +119,13 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
         if len(raw) > max_body_bytes:
             raise ApiError(413, f"Request body exceeds {max_body_bytes} bytes", code="request_too_large")
         try:
-            data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError):
+            # Strict UTF-8 (json.loads(bytes) would let surrogate bytes through), and no lone surrogate
+            # from \ud800-style escapes either: such strings cannot be encoded for the services.
+            data = json.loads(raw.decode("utf-8"))
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except (UnicodeError, json.JSONDecodeError):
+            raise ApiError(400, "We could not parse the JSON body of your request.", code="invalid_json")
+        except (ValueError, RecursionError):  # e.g. absurdly deep nesting
             raise ApiError(400, "We could not parse the JSON body of your request.", code="invalid_json")
         if not isinstance(data, dict):
             raise ApiError(400, "The request body must be a JSON object.", code="invalid_json")
@@ -125,17 +159,19 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
+    async def models(request: Request) -> JSONResponse:
+        tenant_of(request)
         names = {model_name, *client().fleet.models()}
         return JSONResponse({"object": "list", "data": [
             {"id": n, "object": "model", "created": 0, "owned_by": "kite"} for n in sorted(names)]})
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
+        tenant = tenant_of(request)
         body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)  # type: ignore[assignment]
         params = GenerationParams(model=body.model, sampling=body.sampling(body.resolved_max_tokens),
                                   messages=[m.to_message() for m in body.messages], reuse=body.kite.reuse,
-                                  cache_salt=body.cache_salt)
+                                  cache_salt=tenant_cache_salt(tenant, body.cache_salt))
         started = time.monotonic()
         generations = await gather_open(client(), [params] * body.n)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -151,8 +187,9 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
             "usage": usage_body([end for _, end in results]),
         }, headers=_worker_header(generations))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(request: Request) -> Response:
+        tenant = tenant_of(request)
         body: CompletionRequest = await parse(request, CompletionRequest)  # type: ignore[assignment]
         prompts = body.prompts()
         if not prompts or len(prompts) * body.n > max_n:
@@ -163,7 +200,7 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
             text, ids = (p, None) if isinstance(p, str) else (None, list(p))
             params += [GenerationParams(model=body.model, sampling=body.sampling(body.max_tokens), prompt=text,
                                         prompt_token_ids=ids, reuse=body.kite.reuse,
-                                        cache_salt=body.cache_salt)] * body.n
+                                        cache_salt=tenant_cache_salt(tenant, body.cache_salt))] * body.n
         started = time.monotonic()
         generations = await gather_open(client(), params)
         response_id = f"cmpl-{uuid.uuid4().hex}"

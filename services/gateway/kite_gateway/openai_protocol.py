@@ -6,6 +6,7 @@ with a clear 400 instead of being silently ignored.
 
 Extension fields (send them with the openai client's `extra_body`):
     kite: {"reuse": false}   compute this request without Upcycle reuse (for comparisons)
+    kite: {"ignore_eos": true}  keep generating past end-of-sequence, up to max_tokens
     cache_salt: str          narrows KV sharing to requests carrying the same salt
 """
 
@@ -31,6 +32,7 @@ class StreamOptions(_Body):
 
 class KiteOptions(_Body):
     reuse: bool = True
+    ignore_eos: bool = False  # generate exactly max_tokens tokens (benchmarks, tests)
 
 
 class TextPart(_Body):
@@ -83,7 +85,7 @@ class _SamplingBody(_Body):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         seed = None if self.seed is None else self.seed % 2**63
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              seed=seed, stop=stop)
+                              seed=seed, stop=stop, ignore_eos=self.kite.ignore_eos)
 
     @property
     def include_usage(self) -> bool:

@@ -22,7 +22,7 @@ from typing import Awaitable, Callable
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from kite_shared import recyclable_unit, subjects
+from kite_shared import recyclable_unit, security, subjects
 from kite_shared.config import RuPoolConfig, TierConfig
 from kite_shared.messages import (
     ErrorInfo, Heartbeat, MessageError, ModelFingerprintChanged, PoolAdminReply, PoolAdminRequest,
@@ -47,10 +47,13 @@ FETCH_CONCURRENCY = 8
 
 class PoolService:
     def __init__(self, cfg: RuPoolConfig, tier_cfg: TierConfig, nc: NATS,
-                 tiers: TierClient | None = None, clock: Callable[[], float] = time.time) -> None:
+                 tiers: TierClient | None = None, clock: Callable[[], float] = time.time,
+                 ru_key: bytes | None = None) -> None:
         self.cfg = cfg
         self.nc = nc
-        self.tiers = tiers if tiers is not None else TierClient.from_config(tier_cfg)
+        # Every unit put or moved must carry a valid HMAC under the cluster key (default: this process's).
+        self.ru_key = ru_key if ru_key is not None else security.ru_key()
+        self.tiers = tiers if tiers is not None else TierClient.from_config(tier_cfg, ru_key=self.ru_key)
         self.warm = self.tiers.warm
         self.cold = self.tiers.cold
         self.clock = clock
@@ -154,9 +157,11 @@ class PoolService:
     def put_bytes(self, data: bytes) -> str:
         """Verify and store one encoded unit; returns the core's decision or "corrupt"."""
         try:
-            unit = recyclable_unit.decode(data)
+            unit = recyclable_unit.decode(data, key=self.ru_key)
         except recyclable_unit.RUError as exc:
             self.core.counters.refused_corrupt += 1
+            if isinstance(exc, recyclable_unit.RUAuthError):
+                metrics.TIER_INTEGRITY_FAILURES.labels("hot").inc()
             log.warning("refused a put: not an intact recyclable unit (%s: %s)", type(exc).__name__, exc)
             return "corrupt"
         key = BlockKey.of(unit.model_fingerprint, unit.block_hash)
@@ -366,7 +371,7 @@ class PoolService:
     def _intact(self, key: BlockKey, data: bytes, tier: str) -> bool:
         """Verify bytes read for copying between tiers (the full fingerprint is unknown: check the tag)."""
         try:
-            unit = recyclable_unit.decode(data, expected_hash=key.block_hash)
+            unit = recyclable_unit.decode(data, expected_hash=key.block_hash, key=self.ru_key)
             if model_tag(unit.model_fingerprint) != key.model_tag:
                 raise recyclable_unit.RUKeyMismatchError("unit belongs to another model tag")
         except recyclable_unit.RUError as exc:

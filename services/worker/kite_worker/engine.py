@@ -6,8 +6,9 @@ of NATS or threads (the scheduler drives it, one call at a time, from one thread
 Prefill of a request:
   1. verify the fingerprinter's block hashes against our own model identity and the token ids (a wrong
      hash would poison the cache, so the worker never trusts them blindly; recomputing costs < 1 ms);
-  2. find the longest run of leading blocks in the local cache; reuse at most len(prompt) - 1 tokens, so the
-     last prompt token is always computed and its logits exist (a full-prompt hit crops the last block);
+  2. find the longest run of leading blocks in the local cache (after inserting the blocks the pool loader
+     fetched for this request, `Sequence.prefetched`); reuse at most len(prompt) - 1 tokens, so the last
+     prompt token is always computed and its logits exist (a full-prompt hit crops the last block);
   3. compute the remaining prompt tokens in chunks of `prefill_chunk_tokens` (the scheduler interleaves
      other requests' decode steps between chunks, so one long prompt does not stall every stream);
   4. sample the first token; then the scheduler calls `store_prompt_blocks` *after* the first token is
@@ -68,6 +69,8 @@ class Sequence:
     num_computed: int = 0  # prompt + generated positions whose KV is in `cache`
     num_cached_tokens: int = 0  # prompt tokens reused instead of computed
     num_prompt_blocks_cached: int = 0  # leading prompt blocks that came from the cache
+    prefetched: list[tuple[BlockHash, torch.Tensor]] = field(default_factory=list)  # loaded from the ru-pool
+    num_pool_blocks: int = 0  # of the reused blocks, how many were loaded from the ru-pool
     generated: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     first_token_logits: torch.Tensor | None = None  # kept only when the engine is asked to (tests)
@@ -111,6 +114,8 @@ class Engine:
         self.eos_token_ids = frozenset(eos_ids)
         self.num_prompt_tokens_computed = 0
         self.num_prompt_tokens_reused = 0
+        # measured prefill cost (exponentially weighted); the pool loader's cost model reads it
+        self.prefill_seconds_per_token = 0.003
 
     # --- admission ---------------------------------------------------------------------------------
 
@@ -129,13 +134,15 @@ class Engine:
                                   request.cache_salt)
         if [bytes(h) for h in hashes] != list(request.block_hashes):
             raise RequestRejected("fingerprint_mismatch", "block hashes do not match the prompt tokens")
-        return Sequence(
+        seq = Sequence(
             request=request, prompt_ids=prompt, prompt_hashes=hashes,
             reuse=self.options.reuse and request.reuse,
             generator=make_generator(request.sampling),
             detokenizer=IncrementalDetokenizer(self._decode),
             stops=StopStringMatcher(request.sampling.stop),
         )
+        _prime_resumed(seq)  # request migration (issue 7)
+        return seq
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -149,7 +156,11 @@ class Engine:
                 self._inject_cached_prefix(seq)
             prompt_len = len(seq.prompt_ids)
             end = min(prompt_len, seq.num_computed + self.options.prefill_chunk_tokens)
+            started = time.perf_counter()
             logits = self._forward(seq, seq.prompt_ids[seq.num_computed:end])
+            if end - seq.num_computed >= self.options.block_size:  # single tokens are decode-like, not prefill
+                per_token = (time.perf_counter() - started) / (end - seq.num_computed)
+                self.prefill_seconds_per_token += 0.2 * (per_token - self.prefill_seconds_per_token)
             self.num_prompt_tokens_computed += end - seq.num_computed
             seq.num_computed = end
             if end < prompt_len:
@@ -159,7 +170,12 @@ class Engine:
             return sample(logits, seq.request.sampling, seq.generator)
 
     def _inject_cached_prefix(self, seq: Sequence) -> None:
+        num_local = self.block_cache.longest_prefix(seq.prompt_hashes) if seq.reuse else 0
+        for block_hash, kv in seq.prefetched:  # the loader fetched these after the local prefix
+            self.block_cache.put(block_hash, kv)
+        seq.prefetched = []
         num_blocks = self.block_cache.longest_prefix(seq.prompt_hashes) if seq.reuse else 0
+        seq.num_pool_blocks = max(0, num_blocks - num_local)
         num_tokens = min(num_blocks * self.options.block_size, len(seq.prompt_ids) - 1)
         seq.num_prompt_blocks_cached = num_blocks
         if num_tokens <= 0:
@@ -244,3 +260,13 @@ class Engine:
                 parent = hashes[i - 1] if i > 0 else self.identity.root
                 new_blocks.append(NewBlock(hashes[i], parent, i, kv))
         return new_blocks
+
+
+def _prime_resumed(seq: Sequence) -> None:
+    """Request migration: the last `num_resumed_tokens` prompt tokens were generated (and their text sent)
+    by a worker that died. Feed them through the detokenizer and stop matcher, discarding the text, so
+    this worker's state is exactly the dead one's: a split UTF-8 character or a partial stop string
+    pending at the migration continues correctly."""
+    num = min(seq.request.num_resumed_tokens, len(seq.prompt_ids))
+    for token_id in seq.prompt_ids[len(seq.prompt_ids) - num:]:
+        seq.stops.feed(seq.detokenizer.add(token_id))

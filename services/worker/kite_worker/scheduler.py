@@ -8,8 +8,12 @@ a timeout. There is no batched forward pass across sequences (a known limitation
 comes from more worker replicas); interleaving keeps every stream moving and bounds time to first token
 for short prompts behind long ones.
 
-Boundary: knows the engine and two callbacks (`emit(subject, message)` for stream events and
-`on_new_blocks(blocks)` for the ru-pool); no NATS here.
+Admission is two-step: `reserve` validates a request and takes a queue place at once (so the gateway
+hears "accepted" or "overloaded" immediately); the worker may then load prefix blocks from the ru-pool
+onto the Sequence, and `enqueue` hands it to the engine thread.
+
+Boundary: knows the engine and three callbacks (`emit(subject, message)` for stream events,
+`on_new_blocks(blocks)` for the ru-pool, `on_cache_events(events)` for the pool's index); no NATS here.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ from typing import Callable
 
 from kite_shared.messages import (ErrorInfo, Message, StreamEnd, StreamError, TokenChunk,
                                   TokenizedRequest, Usage)
+from kite_worker.block_cache import CacheEvent
 from kite_worker.engine import Engine, NewBlock, RequestRejected, Sequence
 
 log = logging.getLogger(__name__)
 
 EmitFn = Callable[[str, Message], None]
 BlocksFn = Callable[[list[NewBlock]], None]
+CacheEventsFn = Callable[[list[CacheEvent]], None]
 
 
 class _Stream:
@@ -45,12 +51,14 @@ class _Stream:
 
 class Scheduler:
     def __init__(self, engine: Engine, max_running: int, max_queued: int, emit: EmitFn,
-                 on_new_blocks: BlocksFn) -> None:
+                 on_new_blocks: BlocksFn, on_cache_events: CacheEventsFn | None = None) -> None:
         self.engine = engine
         self.max_running = max_running
         self.max_queued = max_queued
         self._emit = emit
         self._on_new_blocks = on_new_blocks
+        self._on_cache_events = on_cache_events
+        self._reserved: dict[str, _Stream] = {}  # admitted, waiting for their pool blocks
         self._waiting: deque[_Stream] = deque()
         self._running: list[_Stream] = []
         self._cancelled: set[str] = set()
@@ -70,28 +78,39 @@ class Scheduler:
 
     @property
     def num_queued(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + len(self._reserved)
 
-    def submit(self, request: TokenizedRequest) -> None:
-        """Queue a request or raise RequestRejected (bad request, or "overloaded")."""
+    def reserve(self, request: TokenizedRequest) -> Sequence:
+        """Validate a request and take a queue place, or raise RequestRejected (bad, "overloaded")."""
         seq = self.engine.new_sequence(request)
         with self._lock:
             if self._stopped:
                 raise RequestRejected("shutting_down", "this worker is draining")
-            if len(self._running) >= self.max_running and len(self._waiting) >= self.max_queued:
+            if len(self._running) >= self.max_running and self.num_queued >= self.max_queued:
                 raise RequestRejected("overloaded", "worker queue is full")
-            self._waiting.append(_Stream(seq))
+            self._reserved[seq.request_id] = _Stream(seq)
+        return seq
+
+    def enqueue(self, seq: Sequence) -> None:
+        """Hand a reserved request to the engine thread (its pool blocks, if any, are on the Sequence)."""
+        with self._lock:
+            self._waiting.append(self._reserved.pop(seq.request_id))
             self._lock.notify()
+
+    def submit(self, request: TokenizedRequest) -> None:
+        """reserve + enqueue, for callers that load nothing from the pool."""
+        self.enqueue(self.reserve(request))
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
-            if any(s.seq.request_id == request_id for s in (*self._waiting, *self._running)):
+            if request_id in self._reserved or any(
+                    s.seq.request_id == request_id for s in (*self._waiting, *self._running)):
                 self._cancelled.add(request_id)
                 self._lock.notify()
 
     def idle(self) -> bool:
         with self._lock:
-            return not self._waiting and not self._running
+            return not self._waiting and not self._running and not self._reserved
 
     def stop(self) -> None:
         with self._lock:
@@ -113,7 +132,9 @@ class Scheduler:
                 while self._waiting and len(self._running) < self.max_running:
                     self._running.append(self._waiting.popleft())
                 running = list(self._running)
-                cancelled, self._cancelled = self._cancelled, set()
+                # A cancel for a request still reserved (loading pool blocks) waits until it runs.
+                cancelled = {s.seq.request_id for s in running} & self._cancelled
+                self._cancelled -= cancelled
             for stream in running:
                 if stream.seq.request_id in cancelled:
                     self._finish(stream, "cancelled")
@@ -123,6 +144,9 @@ class Scheduler:
                 except Exception as exc:
                     log.exception("request %s failed", stream.seq.request_id)
                     self._fail(stream, ErrorInfo(code="internal_error", message=f"worker error: {exc}"))
+            events = self.engine.block_cache.take_events()
+            if events and self._on_cache_events is not None:
+                self._on_cache_events(events)
 
     def _step(self, stream: _Stream) -> None:
         seq = stream.seq

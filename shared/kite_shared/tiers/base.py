@@ -7,8 +7,9 @@ by index rebuilds and purges, never by request paths) raises `TierUnavailable` s
 incomplete.
 
 Reads that feed KV into a model go through `get_verified` / `get_unit`, which decode the unit with the
-expected block hash and model fingerprint. A unit that fails is counted, deleted from the tier and
-reported as a miss: corrupted bytes are never loaded.
+expected block hash and model fingerprint, and check its HMAC when the tier has `ru_key` (the cluster RU
+key; `TierClient.from_config` always sets it). A unit that fails is counted, deleted from the tier and
+reported as a miss: corrupted or forged bytes are never loaded.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class RemoteTier(abc.ABC):
         self.list_timeout_s = list_timeout_s or max(10 * timeout_s, 5.0)
         self.health = TierHealth(self.name, initial_backoff_s, backoff_max_s)
         self.integrity_failures = 0
+        self.ru_key: bytes | None = None  # cluster RU key: set, units without a valid MAC are misses
         self.hits = 0
         self.misses = 0
         self._on_recover: list[Callable[[], None]] = []
@@ -176,7 +178,7 @@ class RemoteTier(abc.ABC):
             return None
         try:
             unit = recyclable_unit.decode(data, expected_hash=bytes(block_hash),
-                                          expected_model=model_fingerprint)
+                                          expected_model=model_fingerprint, key=self.ru_key)
         except recyclable_unit.RUError as exc:
             self.integrity_failures += 1
             self.misses += 1

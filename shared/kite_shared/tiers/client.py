@@ -12,6 +12,7 @@ import asyncio
 import logging
 from typing import Sequence
 
+from kite_shared import security
 from kite_shared.config import TierConfig
 from kite_shared.tiers.base import RemoteTier
 from kite_shared.tiers.cold import LocalDirTier, S3Tier
@@ -26,7 +27,9 @@ class TierClient:
         self.cold = cold
 
     @classmethod
-    def from_config(cls, cfg: TierConfig, with_cold: bool = True) -> "TierClient":
+    def from_config(cls, cfg: TierConfig, with_cold: bool = True, ru_key: bytes | None = None) -> "TierClient":
+        """Tiers as configured; every verified read also checks the unit's HMAC with `ru_key` (default:
+        this process's cluster key, kite_shared.security.ru_key)."""
         warm = None
         if cfg.redis_url:
             warm = RedisTier(cfg.redis_url, ttl_s=cfg.warm_ttl_s, timeout_s=cfg.timeout_s,
@@ -42,7 +45,11 @@ class TierClient:
                 cold = LocalDirTier(cfg.cold_dir, cfg.s3_prefix, timeout_s=cfg.cold_timeout_s,
                                     backoff_max_s=cfg.backoff_max_s)
             log.info("cold tier: %s", cold.describe())
-        return cls(warm, cold)
+        client = cls(warm, cold)
+        key = ru_key if ru_key is not None else security.ru_key()
+        for tier in client.tiers:
+            tier.ru_key = key
+        return client
 
     @property
     def tiers(self) -> list[RemoteTier]:

@@ -1,0 +1,5 @@
+import sys
+
+from kite_cli.bench import main
+
+sys.exit(main())

@@ -1,0 +1,169 @@
+"""Load a request's missing prefix blocks from the ru-pool's tiers, when that beats recomputing them.
+
+Boundary: runs on the worker's asyncio thread, before a request enters the engine queue. It knows the
+ru-pool's NATS client (lookup, and `get` for blocks only in the pool's memory) and the shared tier
+client (warm Redis and cold S3/folder are read directly: docs/ru-pool.md measured direct reads several
+times faster than relaying ~369 KB units through the pool over NATS). It never touches the block cache:
+loaded blocks ride on the Sequence and the engine thread inserts them.
+
+Cost model (the LMCache lesson, #1639: a slow tier must never make a hit slower than a miss):
+    fetch_time(k)     = sum over the tiers used by the first k missing blocks of
+                        latency[tier] + bytes[tier] / bandwidth[tier]
+    recompute_time(k) = k * block_size * prefill_seconds_per_token   (measured by the engine)
+The loader takes the longest run of missing blocks whose estimated fetch time is below its recompute
+time, and gives the fetch a deadline of that recompute time; whatever leading blocks arrived by then are
+used, the rest is computed. Each tier's bandwidth is an exponentially weighted average over this worker's
+own fetches (wall time of whole fetches, so it folds latency in), seeded with conservative guesses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Sequence as Seq
+
+import torch
+
+from kite_shared import recyclable_unit
+from kite_shared.fingerprint import BlockHash
+from kite_shared.recyclable_unit import RUError
+
+log = logging.getLogger(__name__)
+
+CODEC_TO_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+_EWMA_WEIGHT = 0.2  # weight of the newest sample
+
+
+@dataclass
+class TierEstimate:
+    latency_s: float  # fixed per-fetch overhead guess
+    bytes_per_s: float  # measured: bytes over wall time of whole fetches (so it includes latency)
+
+    def observe(self, seconds: float, num_bytes: int) -> None:
+        if num_bytes > 0 and seconds > 0:
+            self.bytes_per_s += _EWMA_WEIGHT * (num_bytes / seconds - self.bytes_per_s)
+
+
+@dataclass
+class CostModel:
+    """Pure: estimates and the load-or-recompute decision. Tier letters: h (pool memory), w, c."""
+
+    block_size: int
+    block_bytes: int
+    prefill_seconds_per_token: float = 0.003  # replaced by the engine's measurement
+    tiers: dict[str, TierEstimate] = field(default_factory=lambda: {
+        "h": TierEstimate(latency_s=0.002, bytes_per_s=100e6),
+        "w": TierEstimate(latency_s=0.001, bytes_per_s=200e6),
+        "c": TierEstimate(latency_s=0.010, bytes_per_s=50e6),
+    })
+
+    def fetch_seconds(self, letters: bytes) -> float:
+        total = 0.0
+        for letter in {chr(c) for c in letters}:
+            estimate = self.tiers[letter]
+            count = letters.count(ord(letter))
+            total += estimate.latency_s + count * self.block_bytes / estimate.bytes_per_s
+        return total
+
+    def recompute_seconds(self, num_blocks: int) -> float:
+        return num_blocks * self.block_size * self.prefill_seconds_per_token
+
+    def plan(self, letters: bytes) -> int:
+        """How many of these missing leading blocks (tier letter each) to load rather than compute."""
+        best = 0
+        for k in range(1, len(letters) + 1):
+            if self.fetch_seconds(letters[:k]) < self.recompute_seconds(k):
+                best = k
+        return best
+
+
+class PoolLoader:
+    def __init__(self, pool, tier_client, cost: CostModel, model_fingerprint: str,
+                 block_shape: tuple[int, ...], storage_dtype: torch.dtype, mac_key: bytes | None) -> None:
+        self.pool = pool  # kite_shared.tiers.pool_client.PoolClient
+        self.tier_client = tier_client  # kite_shared.tiers.client.TierClient | None
+        self.cost = cost
+        self.model_fingerprint = model_fingerprint
+        self.block_shape = block_shape  # [layers, 2, kv_heads, block_size, head_dim]
+        self.storage_dtype = storage_dtype
+        self.mac_key = mac_key  # cluster RU key: a unit without a valid MAC is never loaded
+        self.num_blocks_loaded = 0
+        self.num_loads_timed_out = 0
+        self.num_rejected = 0
+
+    async def load(self, hashes: Seq[BlockHash], num_local: int) -> list[tuple[BlockHash, torch.Tensor]]:
+        """Leading blocks after the first `num_local` (already in the worker cache) that the pool has and
+        that are cheaper to load than to compute; verified and ready to insert."""
+        missing = list(hashes[num_local:])
+        if not missing:
+            return []
+        lookup = await self.pool.lookup(self.model_fingerprint, [bytes(h) for h in missing],
+                                        include_workers=False)
+        if lookup is None or lookup.invalidated or lookup.pool == 0:
+            return []
+        letters = bytes(lookup.tiers[:lookup.pool])
+        num_to_load = self.cost.plan(letters)
+        if num_to_load == 0:
+            return []
+        deadline_s = self.cost.recompute_seconds(num_to_load)
+        wanted = missing[:num_to_load]
+        try:
+            units = await asyncio.wait_for(self._fetch(wanted, letters[:num_to_load]), timeout=deadline_s)
+        except asyncio.TimeoutError:
+            self.num_loads_timed_out += 1
+            log.info("pool fetch of %d blocks passed its %.3f s budget; computing instead", num_to_load, deadline_s)
+            return []
+        loaded = []
+        for block_hash, data in zip(wanted, units):
+            tensor = self._to_tensor(block_hash, data)
+            if tensor is None:
+                break
+            loaded.append((block_hash, tensor))
+        self.num_blocks_loaded += len(loaded)
+        return loaded
+
+    async def _fetch(self, hashes: list[BlockHash], letters: bytes) -> list[bytes | None]:
+        """Encoded units in order (None where one could not be had), fetched concurrently per tier."""
+        results: list[bytes | None] = [None] * len(hashes)
+        from_pool = [i for i, c in enumerate(letters) if c == ord("h") or self.tier_client is None]
+        direct = [i for i in range(len(hashes)) if i not in set(from_pool)]
+
+        async def via_pool() -> None:
+            if not from_pool:
+                return
+            started = time.perf_counter()
+            units = await self.pool.get(self.model_fingerprint, [bytes(hashes[i]) for i in from_pool])
+            self.cost.tiers["h"].observe(time.perf_counter() - started, sum(map(len, units)))
+            for i, data in zip(from_pool, units):
+                results[i] = data
+
+        async def one_direct(i: int) -> None:
+            started = time.perf_counter()
+            found = await self.tier_client.fetch(self.model_fingerprint, bytes(hashes[i]),
+                                                 tiers="wc" if letters[i] == ord("w") else "c")
+            if found is not None:
+                results[i] = found[0]
+                self.cost.tiers[found[1]].observe(time.perf_counter() - started, len(found[0]))
+
+        await asyncio.gather(via_pool(), *(one_direct(i) for i in direct))
+        return results
+
+    def _to_tensor(self, block_hash: BlockHash, data: bytes | None) -> torch.Tensor | None:
+        if data is None:
+            return None
+        try:
+            unit = recyclable_unit.decode(data, expected_hash=bytes(block_hash),
+                                          expected_model=self.model_fingerprint, key=self.mac_key)
+        except RUError as exc:
+            self.num_rejected += 1
+            log.warning("pool block %s rejected: %s", bytes(block_hash).hex()[:16], exc)
+            return None
+        if tuple(unit.shape) != tuple(self.block_shape):
+            self.num_rejected += 1
+            log.warning("pool block %s has shape %s, this worker needs %s", bytes(block_hash).hex()[:16],
+                        unit.shape, self.block_shape)
+            return None
+        tensor = torch.frombuffer(bytearray(unit.payload), dtype=CODEC_TO_TORCH[unit.codec]).reshape(unit.shape)
+        return tensor.to(self.storage_dtype)

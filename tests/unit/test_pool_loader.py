@@ -1,0 +1,43 @@
+"""The load-or-recompute cost model (pure): a slow tier must never make a hit slower than a miss."""
+
+from __future__ import annotations
+
+import pytest
+
+from kite_worker.pool_loader import CostModel, TierEstimate
+
+BLOCK_BYTES = 368_640  # one SmolLM2 block in fp16
+
+
+def model(prefill_s_per_token: float, warm_bytes_per_s: float = 200e6, cold_bytes_per_s: float = 50e6) -> CostModel:
+    return CostModel(block_size=16, block_bytes=BLOCK_BYTES, prefill_seconds_per_token=prefill_s_per_token,
+                     tiers={"h": TierEstimate(0.002, 100e6), "w": TierEstimate(0.001, warm_bytes_per_s),
+                            "c": TierEstimate(0.010, cold_bytes_per_s)})
+
+
+@pytest.mark.parametrize("letters, prefill, expected", [
+    (b"wwww", 0.003, 4),          # CPU prefill (48 ms a block) loses to Redis (~2 ms a block)
+    (b"hhhh", 0.003, 4),
+    (b"cccc", 0.003, 4),          # even cold wins on CPU
+    (b"wwww", 0.00001, 0),        # a GPU-fast prefill (0.16 ms a block) beats fetching
+    (b"w", 0.0001, 0),            # one block: 1 ms latency + 1.8 ms transfer > 1.6 ms compute
+    (b"wwwwwwwwcc", 0.0002, 8),   # 3.2 ms a block computed: the 8 warm blocks load, the cold tail is computed
+    (b"", 0.003, 0),
+])
+def test_plan_loads_only_what_beats_recompute(letters, prefill, expected):
+    assert model(prefill).plan(letters) == expected
+
+
+def test_a_tier_measured_slow_stops_being_used():
+    cost = model(0.001)  # 16 ms to compute a block
+    assert cost.plan(b"cccc") == 4
+    for _ in range(20):  # cold measured at 10 MB/s: 37 ms a block
+        cost.tiers["c"].observe(seconds=BLOCK_BYTES / 10e6, num_bytes=BLOCK_BYTES)
+    assert cost.plan(b"cccc") == 0
+    assert cost.plan(b"wwcc") == 2  # still worth loading the warm blocks in front
+
+
+def test_recompute_time_is_the_fetch_deadline_scale():
+    cost = model(0.003)
+    assert cost.recompute_seconds(4) == pytest.approx(4 * 16 * 0.003)
+    assert cost.fetch_seconds(b"ww") == pytest.approx(0.001 + 2 * BLOCK_BYTES / 200e6)
