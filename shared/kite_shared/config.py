@@ -113,7 +113,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds the gateway waits for the fingerprinter, and the fingerprinter for a worker, to "
             "accept a request.", minimum=0.01),
     Setting("KITE_GATEWAY_STREAM_IDLE_TIMEOUT_S", float, "120.0", GATEWAY,
-            "Seconds without any event from the worker before a stream fails with an error.",
+            "Seconds without any event from the worker, once its stream has begun, before the request "
+            "migrates to another worker (or fails with an error).", minimum=0.1),
+    Setting("KITE_GATEWAY_FIRST_EVENT_TIMEOUT_S", float, "600.0", GATEWAY,
+            "Seconds a stream may wait for its first event while its worker is alive (queued behind "
+            "other requests, then prefill); KITE_GATEWAY_STREAM_IDLE_TIMEOUT_S applies once events flow.",
             minimum=0.1),
     Setting("KITE_GATEWAY_WORKER_DEAD_AFTER_S", float, "3.0", GATEWAY,
             "A worker whose last heartbeat is older than this is dead: /health turns 503 and its "
@@ -185,6 +189,57 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KITE_S3_REGION", str, "us-east-1", ("ru-pool", "worker"), "Region of the S3 cold tier."),
     Setting("KITE_COLD_DIR", Path, "~/.cache/kite/cold", ("ru-pool", "worker"),
             "Folder of the cold tier when KITE_S3_ENDPOINT is empty; empty value is not allowed."),
+    # --- telemetry, routing and the arbitrator (issue 5) -------------------------------------------
+    Setting("KITE_TELEMETRY_INTERVAL_S", float, "1.0", ("gateway", "worker", "ru-pool"),
+            "Seconds between telemetry messages (kite.v1.telemetry.<service>); workers also publish at "
+            "once on a significant change (queue depth, standby).", minimum=0.05),
+    Setting("KITE_TELEMETRY_WINDOW_S", float, "30", ("gateway", "worker"),
+            "Window of the rates, hit rate and TTFT percentiles telemetry reports.", minimum=1),
+    Setting("KITE_WORKER_STANDBY", bool, "off", WORKER,
+            "Start as warm standby: model loaded, heartbeats and telemetry sent, but no generate "
+            "subscription until an arbitrator decision activates it."),
+    Setting("KITE_WORKER_WRITE_POLICY", str, "write_through", WORKER,
+            "Upcycle write policy for ru-pool puts until the arbitrator decides otherwise: "
+            "write_through, selective (blocks seen in two requests) or off."),
+    Setting("KITE_ROUTER_MODE", str, "cache_aware", FINGERPRINTER,
+            "How the fingerprinter picks a worker: cache_aware (cost model over the pool's prefix "
+            "index and worker load), least_loaded, round_robin, or queue_group (NATS picks); an "
+            "arbitrator routing decision can switch it at run time."),
+    Setting("KITE_ROUTER_WORKER_TIMEOUT_S", float, "5.0", FINGERPRINTER,
+            "A worker silent (no heartbeat, no telemetry) for this long leaves the routing set; it "
+            "rejoins with its next message.", minimum=0.1),
+    Setting("KITE_ROUTER_LOOKUP_TIMEOUT_S", float, "0.05", FINGERPRINTER,
+            "How long routing waits for the ru-pool's prefix lookup before falling back to "
+            "least-loaded.", minimum=0.001),
+    Setting("KITE_ROUTER_AFFINITY_WEIGHT", float, "1.0", FINGERPRINTER,
+            "Weight of prefill blocks still to compute on a worker in its routing cost (Dynamo's "
+            "prefill_load_scale, default 1.0); the arbitrator may override it.", minimum=0),
+    Setting("KITE_ROUTER_LOAD_WEIGHT", float, "1.0", FINGERPRINTER,
+            "Weight of a worker's load (running + queued blocks) in its routing cost (Dynamo's decode "
+            "blocks term, weight 1.0); the arbitrator may override it.", minimum=0),
+    Setting("KITE_ROUTER_POOL_HIT_WEIGHT", float, "0.75", FINGERPRINTER,
+            "Credit of a prefix block the ru-pool holds (but the worker does not), relative to a "
+            "local hit (Dynamo's host-tier weight 0.75).", minimum=0),
+    Setting("KITE_ROUTER_SESSION_TTL_S", float, "600", FINGERPRINTER,
+            "Seconds a session id (`kite.session_id`) stays bound to the worker that served it.",
+            minimum=1),
+    Setting("KITE_ARBITRATOR_RULES_FILE", str, "", ARBITRATOR,
+            "YAML rules file (docs/arbitrator.md); empty means the built-in default rules "
+            "(deploy/arbitrator/rules.yaml). Reloaded when it changes; a bad file is rejected and "
+            "the previous rules stay."),
+    Setting("KITE_ARBITRATOR_MIN_HOLD_S", float, "1.0", ARBITRATOR,
+            "Hysteresis: a decided policy is not changed again within this many seconds.", minimum=0),
+    Setting("KITE_ARBITRATOR_STALE_S", float, "3.0", ARBITRATOR,
+            "Telemetry older than this is ignored; with no fresh worker telemetry the arbitrator "
+            "falls back to the static safe policy (logged).", minimum=0.1),
+    Setting("KITE_ARBITRATOR_TTFT_SLO_S", float, "2.0", ARBITRATOR,
+            "Time-to-first-token objective; rules see predicted TTFT divided by it as "
+            "`ttft_over_slo`.", minimum=0.001),
+    Setting("KITE_ARBITRATOR_EVAL_INTERVAL_S", float, "0.25", ARBITRATOR,
+            "Seconds between periodic rule evaluations (telemetry also triggers one at once).",
+            minimum=0.01),
+    Setting("KITE_ARBITRATOR_MIN_ACTIVE_WORKERS", int, "1", ARBITRATOR,
+            "Scale-in never leaves fewer active (non-standby) workers than this.", minimum=0),
     # --- security ----------------------------------------------------------------------------------
     Setting("KITE_AUTH_ENABLED", bool, "on", GATEWAY,
             "Require an API key (HTTP `Authorization: Bearer`, gRPC metadata `authorization`) on /v1 "
@@ -294,6 +349,7 @@ class GatewayConfig:
     model_name: str = env("KITE_MODEL_NAME")
     admit_timeout_s: float = env("KITE_ADMIT_TIMEOUT_S")
     stream_idle_timeout_s: float = env("KITE_GATEWAY_STREAM_IDLE_TIMEOUT_S")
+    first_event_timeout_s: float = env("KITE_GATEWAY_FIRST_EVENT_TIMEOUT_S")
     worker_dead_after_s: float = env("KITE_GATEWAY_WORKER_DEAD_AFTER_S")
     max_migrations: int = env("KITE_GATEWAY_MAX_MIGRATIONS")
     max_n: int = env("KITE_GATEWAY_MAX_N")
@@ -301,6 +357,8 @@ class GatewayConfig:
     auth_enabled: bool = env("KITE_AUTH_ENABLED")
     api_keys_file: str = env("KITE_API_KEYS_FILE")
     api_keys: str = env("KITE_API_KEYS")
+    telemetry_interval_s: float = env("KITE_TELEMETRY_INTERVAL_S")
+    telemetry_window_s: float = env("KITE_TELEMETRY_WINDOW_S")
 
 
 @dataclass(frozen=True)
@@ -308,6 +366,18 @@ class FingerprinterConfig:
     default_max_tokens: int = env("KITE_DEFAULT_MAX_TOKENS")
     admit_timeout_s: float = env("KITE_ADMIT_TIMEOUT_S")
     metrics_port: int = env("KITE_METRICS_PORT")
+    router_mode: str = env("KITE_ROUTER_MODE")
+    router_worker_timeout_s: float = env("KITE_ROUTER_WORKER_TIMEOUT_S")
+    router_lookup_timeout_s: float = env("KITE_ROUTER_LOOKUP_TIMEOUT_S")
+    router_affinity_weight: float = env("KITE_ROUTER_AFFINITY_WEIGHT")
+    router_load_weight: float = env("KITE_ROUTER_LOAD_WEIGHT")
+    router_pool_hit_weight: float = env("KITE_ROUTER_POOL_HIT_WEIGHT")
+    router_session_ttl_s: float = env("KITE_ROUTER_SESSION_TTL_S")
+
+    def __post_init__(self) -> None:
+        if self.router_mode not in ("cache_aware", "least_loaded", "round_robin", "queue_group"):
+            raise ConfigError(f"KITE_ROUTER_MODE={self.router_mode!r}: expected cache_aware, least_loaded, "
+                              "round_robin or queue_group")
 
 
 @dataclass(frozen=True)
@@ -322,6 +392,14 @@ class WorkerConfig:
     pool_write: bool = env("KITE_WORKER_POOL_WRITE")
     pool_read: bool = env("KITE_WORKER_POOL_READ")
     metrics_port: int = env("KITE_METRICS_PORT")
+    standby: bool = env("KITE_WORKER_STANDBY")
+    write_policy: str = env("KITE_WORKER_WRITE_POLICY")
+    telemetry_interval_s: float = env("KITE_TELEMETRY_INTERVAL_S")
+    telemetry_window_s: float = env("KITE_TELEMETRY_WINDOW_S")
+
+    def __post_init__(self) -> None:
+        if self.write_policy not in ("write_through", "selective", "off"):
+            raise ConfigError(f"KITE_WORKER_WRITE_POLICY={self.write_policy!r}: expected write_through, selective or off")
 
 
 @dataclass(frozen=True)
@@ -330,6 +408,7 @@ class RuPoolConfig:
     metrics_port: int = env("KITE_METRICS_PORT")
     archive_after_s: float = env("KITE_POOL_ARCHIVE_AFTER_S")
     sweep_interval_s: float = env("KITE_POOL_SWEEP_INTERVAL_S")
+    telemetry_interval_s: float = env("KITE_TELEMETRY_INTERVAL_S")
 
 
 @dataclass(frozen=True)
@@ -360,6 +439,12 @@ class SecurityConfig:
 @dataclass(frozen=True)
 class ArbitratorConfig:
     metrics_port: int = env("KITE_METRICS_PORT")
+    rules_file: str = env("KITE_ARBITRATOR_RULES_FILE")
+    min_hold_s: float = env("KITE_ARBITRATOR_MIN_HOLD_S")
+    stale_s: float = env("KITE_ARBITRATOR_STALE_S")
+    ttft_slo_s: float = env("KITE_ARBITRATOR_TTFT_SLO_S")
+    eval_interval_s: float = env("KITE_ARBITRATOR_EVAL_INTERVAL_S")
+    min_active_workers: int = env("KITE_ARBITRATOR_MIN_ACTIVE_WORKERS")
 
 
 def markdown_reference() -> str:

@@ -16,6 +16,7 @@ unsubscribes) and exits 0.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import signal
@@ -28,13 +29,17 @@ from typing import Any, Awaitable, Callable
 import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from prometheus_client import Counter
 
 from kite_shared import subjects
 from kite_shared.config import CommonConfig, ConfigError, default_instance_id, load
 from kite_shared.messages import Heartbeat, Ping, Pong
 from kite_shared.security import redact_url
+from kite_shared.tracing import current_trace_id, setup_tracing
 
 log = logging.getLogger(__name__)
+
+NATS_RECONNECTS = Counter("kite_nats_reconnects_total", "Times this process reconnected to NATS")
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -60,9 +65,26 @@ class JsonLogFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+# Set by handlers for the request they are working on; every log record made meanwhile carries them.
+request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("kite_request_id", default="")
+tenant_var: contextvars.ContextVar[str] = contextvars.ContextVar("kite_tenant", default="")
+
+
+class RequestContextFilter(logging.Filter):
+    """Adds request id, tenant (never the key) and trace id to records that do not set them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for attr, value in (("request_id", request_id_var.get()), ("tenant", tenant_var.get()),
+                            ("trace_id", current_trace_id())):
+            if value and not hasattr(record, attr):
+                setattr(record, attr, value)
+        return True
+
+
 def setup_logging(service: str, instance_id: str, level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLogFormatter(service, instance_id))
+    handler.addFilter(RequestContextFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -115,6 +137,7 @@ async def connect_nats(url: str, name: str, common: CommonConfig | None = None) 
         log.warning("NATS disconnected; reconnecting")
 
     async def on_reconnect() -> None:
+        NATS_RECONNECTS.inc()
         log.info("NATS reconnected")
 
     return await nats.connect(
@@ -208,6 +231,7 @@ def run_service(service: str, setup: Callable[[ServiceRuntime], Awaitable[None]]
     common = load(CommonConfig)
     runtime = ServiceRuntime(service, common)
     setup_logging(service, runtime.instance_id, common.log_level)
+    setup_tracing(service)
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -32,9 +32,24 @@ RU_POOL_QUEUE = "ru-pool"
 # every service -> anyone: messages.Heartbeat, one subject per service kind
 HEARTBEAT_WILDCARD = f"{PREFIX}.heartbeat.>"
 
-# telemetry and decisions (arbitrator)
+# telemetry and decisions (arbitrator); schemas in kite_shared.telemetry
 TELEMETRY_WILDCARD = f"{PREFIX}.telemetry.>"
+# arbitrator -> everyone (no queue group): telemetry.Decision, applied by the service(s) it names
 DECISIONS = f"{PREFIX}.arbitrator.decisions"
+# admin tools -> arbitrator, request/reply: telemetry.ArbitratorAdminRequest -> ArbitratorAdminReply
+ARBITRATOR_ADMIN = f"{PREFIX}.arbitrator.admin"
+
+
+def telemetry(service: str) -> str:
+    """Subject of one service kind's telemetry (telemetry.WorkerTelemetry, PoolTelemetry, ...)."""
+    return f"{PREFIX}.telemetry.{_token(service)}"
+
+
+def worker_generate(worker_id: str) -> str:
+    """One worker's own generate subject: the fingerprinter's router sends a TokenizedRequest here
+    (same reply as WORKER_GENERATE); every active worker subscribes to both."""
+    safe = "".join("_" if c in ".*> \t\r\n" else c for c in worker_id)  # host names have dots
+    return f"{PREFIX}.worker.{_token(safe)}.generate"
 
 SERVICES = ("gateway", "fingerprinter", "worker", "ru-pool", "arbitrator")
 

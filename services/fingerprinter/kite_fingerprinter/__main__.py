@@ -11,8 +11,9 @@ from prometheus_client import Histogram, start_http_server
 from kite_shared import model_store, subjects
 from kite_shared.config import FingerprinterConfig, ModelConfig, load
 from kite_shared.messages import Admission, ErrorInfo, GenerateRequest, MessageError
-from kite_shared.service import ServiceRuntime, run_service
+from kite_shared.service import ServiceRuntime, request_id_var, run_service
 from kite_shared.tiers.pool_client import PoolClient
+from kite_shared.tracing import headers_with_context, start_span_from_headers, use_span
 from kite_fingerprinter.core import Fingerprinter, RequestError
 
 log = logging.getLogger("kite_fingerprinter")
@@ -38,7 +39,13 @@ class FingerprinterService:
                                                                self.core.identity.fingerprint_hex)
 
     async def on_request(self, msg: Msg) -> None:
-        admission = await self._admit(msg.data)
+        span = start_span_from_headers("kite.fingerprinter.admit", msg.headers)
+        with use_span(span):
+            try:
+                admission = await self._admit(msg.data)
+                span.set_attribute("kite.accepted", admission.accepted)
+            finally:
+                span.end()
         if msg.reply:
             await msg.respond(admission.encode())
 
@@ -47,6 +54,7 @@ class FingerprinterService:
             request = GenerateRequest.decode(data)
         except MessageError as exc:
             return Admission(accepted=False, error=ErrorInfo(code="invalid_message", message=str(exc)))
+        request_id_var.set(request.request_id)
         try:
             with TOKENIZE_SECONDS.time():
                 tokenized = self.core.tokenize(request)
@@ -55,7 +63,8 @@ class FingerprinterService:
         CF_SECONDS.observe(self.core.last_cf_seconds)
         try:
             reply = await self.rt.nc.request(subjects.WORKER_GENERATE, tokenized.encode(),
-                                             timeout=self.worker_timeout_s)
+                                             timeout=self.worker_timeout_s,
+                                             headers=headers_with_context() or None)
         except NoRespondersError:
             return Admission(accepted=False, error=ErrorInfo(code="no_worker", message="No worker is available"))
         except NatsTimeoutError:
@@ -68,14 +77,18 @@ class FingerprinterService:
             return Admission(accepted=False, error=ErrorInfo(code="internal_error", message="invalid worker reply"))
 
 
-def main() -> None:
-    model_cfg = load(ModelConfig)
-    cfg = load(FingerprinterConfig)
+def build_core(model_cfg: ModelConfig, cfg: FingerprinterConfig) -> Fingerprinter:
     local = model_store.prepare(model_cfg)
-    core = Fingerprinter(
+    return Fingerprinter(
         tokenizer=model_store.load_tokenizer(local), identity=model_store.identity(local, model_cfg),
         model_name=local.name, block_size=model_cfg.block_size, max_context_tokens=local.max_context_tokens,
         default_max_tokens=cfg.default_max_tokens)
+
+
+def main() -> None:
+    model_cfg = load(ModelConfig)
+    cfg = load(FingerprinterConfig)
+    core = build_core(model_cfg, cfg)
     if cfg.metrics_port:
         start_http_server(cfg.metrics_port, addr="0.0.0.0")
 

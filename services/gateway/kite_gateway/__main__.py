@@ -33,7 +33,8 @@ async def start_gateway(rt: ServiceRuntime, cfg: GatewayConfig) -> GenerationCli
     client = GenerationClient(nc=rt.nc, fleet=fleet, gateway_id=rt.instance_id.replace(".", "_"),
                               admit_timeout_s=cfg.admit_timeout_s,
                               stream_idle_timeout_s=cfg.stream_idle_timeout_s,
-                              max_migrations=cfg.max_migrations)
+                              max_migrations=cfg.max_migrations,
+                              first_event_timeout_s=cfg.first_event_timeout_s)
 
     authenticator = Authenticator.from_config(cfg)
     if not authenticator.enabled:

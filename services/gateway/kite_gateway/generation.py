@@ -36,6 +36,8 @@ from prometheus_client import Counter
 from kite_shared.messages import (Admission, Cancel, ChatMessage, ErrorInfo, GenerateRequest, MessageError,
                                   SamplingParams, StreamEnd, StreamError, TokenChunk, Usage,
                                   decode_stream_event)
+from kite_shared.service import request_id_var
+from kite_shared.tracing import SpanKind, headers_with_context, tracer
 from kite_gateway.errors import ApiError
 from kite_gateway.fleet import Fleet
 
@@ -78,6 +80,7 @@ class Generation:
     prompt_tokens: int  # of the original prompt
     _subscription: object
     params: "GenerationParams | None" = None  # needed to migrate; None disables migration
+    _span: object = None  # the gateway's trace span of the whole generation (all attempts); close() ends it
     _started: float = field(default_factory=time.monotonic)
     _finished: bool = False
     first_token_at: float | None = None
@@ -100,7 +103,8 @@ class Generation:
 
     async def _attempt_events(self) -> AsyncIterator[TokenChunk | StreamEnd]:
         expected_seq = 0
-        idle_deadline = time.monotonic() + self.client.stream_idle_timeout_s
+        first_timeout = self.client.first_event_timeout_s or self.client.stream_idle_timeout_s
+        idle_deadline = time.monotonic() + first_timeout
         while True:
             try:
                 msg = await self._subscription.next_msg(timeout=_LIVENESS_POLL_S)
@@ -109,8 +113,12 @@ class Generation:
                     raise _Migratable(ErrorInfo(
                         code="worker_lost", message="The worker serving this request stopped responding"))
                 if time.monotonic() > idle_deadline:
-                    raise _Migratable(ErrorInfo(
-                        code="stream_timeout", message="The worker sent nothing within the stream timeout"))
+                    info = ErrorInfo(code="stream_timeout",
+                                     message="The worker sent nothing within the stream timeout")
+                    if expected_seq == 0 and first_timeout > self.client.stream_idle_timeout_s:
+                        # Still queued at a live worker: an overload, which moving it would only spread.
+                        raise ApiError.from_info(info)
+                    raise _Migratable(info)
                 continue
             idle_deadline = time.monotonic() + self.client.stream_idle_timeout_s
             try:
@@ -158,7 +166,7 @@ class Generation:
         try:
             request_id, subscription, admission = await self.client._admit(
                 self.params, resume_token_ids=resumed,
-                timeout_s=min(self.client.admit_timeout_s, _MIGRATION_ADMIT_TIMEOUT_S))
+                timeout_s=min(self.client.admit_timeout_s, _MIGRATION_ADMIT_TIMEOUT_S), span=self._span)
         except ApiError as exc:
             MIGRATIONS.labels("failed").inc()
             log.warning("migration of %s failed: %s", old_request, exc.message)
@@ -189,6 +197,10 @@ class Generation:
 
     async def close(self) -> None:
         await self._close_attempt()
+        if self._span is not None:
+            self._span.set_attribute("kite.migrations", self.migrations)
+            self._span.end()
+            self._span = None
 
 
 @dataclass
@@ -199,16 +211,31 @@ class GenerationClient:
     admit_timeout_s: float
     stream_idle_timeout_s: float
     max_migrations: int = 2  # KITE_GATEWAY_MAX_MIGRATIONS; 0 turns request migration off
+    # KITE_GATEWAY_FIRST_EVENT_TIMEOUT_S: a request queued at a live worker legitimately waits longer than
+    # the idle timeout allows between events; None = the idle timeout.
+    first_event_timeout_s: float | None = None
 
     async def open(self, params: GenerationParams) -> Generation:
-        request_id, subscription, admission = await self._admit(params)
+        span = tracer().start_span("kite.gateway.generate", kind=SpanKind.CLIENT,
+                                   attributes={"kite.model": params.model})
+        try:
+            request_id, subscription, admission = await self._admit(params, span=span)
+        except BaseException as exc:
+            span.record_exception(exc)
+            span.end()
+            raise
+        span.set_attribute("kite.request_id", request_id)
+        span.set_attribute("kite.worker", admission.worker_id)
         return Generation(client=self, request_id=request_id, worker_id=admission.worker_id,
-                          prompt_tokens=admission.prompt_tokens, _subscription=subscription, params=params)
+                          prompt_tokens=admission.prompt_tokens, _subscription=subscription, params=params,
+                          _span=span)
 
     async def _admit(self, params: GenerationParams, resume_token_ids: list[int] | None = None,
-                     timeout_s: float | None = None) -> tuple[str, object, Admission]:
-        """Subscribe to a new stream subject, ask the fingerprinter; (request id, subscription, admission)."""
+                     timeout_s: float | None = None, span=None) -> tuple[str, object, Admission]:
+        """Subscribe to a new stream subject, ask the fingerprinter; (request id, subscription, admission).
+        `span`'s trace context travels in the request headers, so every service joins the same trace."""
         request_id = uuid.uuid4().hex
+        request_id_var.set(request_id)
         stream_subject = subjects.stream(self.gateway_id, request_id)
         subscription = await self.nc.subscribe(stream_subject)
         request = GenerateRequest(
@@ -218,7 +245,8 @@ class GenerationClient:
             resume_token_ids=resume_token_ids or [])
         try:
             reply = await self.nc.request(subjects.FINGERPRINT, request.encode(),
-                                          timeout=timeout_s or self.admit_timeout_s)
+                                          timeout=timeout_s or self.admit_timeout_s,
+                                          headers=headers_with_context(span) or None)
             admission = Admission.decode(reply.data)
         except NoRespondersError:
             await subscription.unsubscribe()

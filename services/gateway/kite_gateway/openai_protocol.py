@@ -13,13 +13,15 @@ Extension fields (send them with the openai client's `extra_body`):
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kite_shared.messages import ChatMessage, SamplingParams, StreamEnd
 
 MAX_STOP_STRINGS = 4
+# A prompt token id: the services carry them as uint32 (the gRPC API's type); the vocabulary is checked later.
+TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
 
 class _Body(BaseModel):
@@ -111,7 +113,7 @@ class ChatCompletionRequest(_SamplingBody):
 
 
 class CompletionRequest(_SamplingBody):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None

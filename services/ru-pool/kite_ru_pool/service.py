@@ -33,6 +33,7 @@ from kite_shared.tiers import metrics
 from kite_shared.tiers.base import RemoteTier, TierUnavailable
 from kite_shared.tiers.client import TierClient
 from kite_shared.tiers.keys import BlockKey, model_tag
+from kite_shared.tracing import start_span_from_headers, use_span
 from kite_ru_pool.core import (
     ALL_TAGS, COLD, HOT, WARM, Archive, Demote, ExpireCold, PoolCore, RenewWarm,
 )
@@ -192,6 +193,13 @@ class PoolService:
 
     # --- lookup ---------------------------------------------------------------------------------
     async def _on_lookup(self, msg: Msg) -> None:
+        with use_span(start_span_from_headers("kite.ru_pool.lookup", msg.headers)) as span:
+            try:
+                await self._lookup(msg)
+            finally:
+                span.end()
+
+    async def _lookup(self, msg: Msg) -> None:
         started = time.perf_counter()
         try:
             req = PoolLookupRequest.decode(msg.data)
@@ -207,6 +215,13 @@ class PoolService:
 
     # --- get ------------------------------------------------------------------------------------
     async def _on_get(self, msg: Msg) -> None:
+        with use_span(start_span_from_headers("kite.ru_pool.get", msg.headers)) as span:
+            try:
+                await self._get(msg)
+            finally:
+                span.end()
+
+    async def _get(self, msg: Msg) -> None:
         try:
             req = PoolGetRequest.decode(msg.data)
         except MessageError as exc:

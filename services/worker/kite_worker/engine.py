@@ -116,6 +116,7 @@ class Engine:
         self.num_prompt_tokens_reused = 0
         # measured prefill cost (exponentially weighted); the pool loader's cost model reads it
         self.prefill_seconds_per_token = 0.003
+        self.decode_seconds_per_token = 0.0  # measured decode step time (EWMA); 0 until the first step
 
     # --- admission ---------------------------------------------------------------------------------
 
@@ -201,7 +202,11 @@ class Engine:
     def decode_step(self, seq: Sequence) -> int:
         """Feed the last generated token and sample the next one."""
         with torch.inference_mode():
+            started = time.perf_counter()
             logits = self._forward(seq, [seq.generated[-1]])
+            step = time.perf_counter() - started
+            self.decode_seconds_per_token += (0.2 * (step - self.decode_seconds_per_token)
+                                              if self.decode_seconds_per_token else step)
             seq.num_computed += 1
             return sample(logits, seq.request.sampling, seq.generator)
 

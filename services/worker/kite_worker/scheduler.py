@@ -80,6 +80,15 @@ class Scheduler:
     def num_queued(self) -> int:
         return len(self._waiting) + len(self._reserved)
 
+    def load_snapshot(self) -> tuple[int, int]:
+        """(KV positions of running requests, prompt tokens admitted but not computed yet), for telemetry."""
+        with self._lock:
+            running = sum(len(s.seq.prompt_ids) + len(s.seq.generated) for s in self._running)
+            backlog = sum(len(s.seq.prompt_ids) - s.seq.num_computed for s in self._running
+                          if s.seq.prefilling)
+            backlog += sum(len(s.seq.prompt_ids) for s in (*self._waiting, *self._reserved.values()))
+        return running, backlog
+
     def reserve(self, request: TokenizedRequest) -> Sequence:
         """Validate a request and take a queue place, or raise RequestRejected (bad, "overloaded")."""
         seq = self.engine.new_sequence(request)

@@ -14,6 +14,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 
 from kite_shared import subjects
+from kite_shared.tracing import headers_with_context
 from kite_shared.messages import (
     BlockRemoved, BlockStored, MessageError, ModelFingerprintChanged, PoolAdminReply, PoolAdminRequest,
     PoolGetReply, PoolGetRequest, PoolLookupReply, PoolLookupRequest,
@@ -105,7 +106,8 @@ class PoolClient:
 
     async def _request(self, subject: str, data: bytes, timeout_s: float) -> bytes | None:
         try:
-            msg = await self.nc.request(subject, data, timeout=timeout_s)
+            # The caller's trace continues in the pool (W3C traceparent in the NATS headers).
+            msg = await self.nc.request(subject, data, timeout=timeout_s, headers=headers_with_context() or None)
         except NoRespondersError:
             log.debug("no ru-pool is listening on %s", subject)
             return None

@@ -1,0 +1,300 @@
+"""The arbitrator's decision core: telemetry in, decisions out. Pure (no NATS, the clock is passed in).
+
+Every evaluation (on each telemetry message and every KITE_ARBITRATOR_EVAL_INTERVAL_S):
+1. Staleness: telemetry older than `stale_s` is ignored. With no fresh worker telemetry at all (after the
+   first `stale_s` of the arbitrator's life), the static safe policy of the rules file applies, once,
+   logged with reason "telemetry stale"; fresh telemetry ends it.
+2. Signals: per worker (WORKER_SIGNALS) and over the fleet (FLEET_SIGNALS), see rules.py.
+3. For each action, the highest-priority rule whose conditions hold (continuously for its `for_s`) wins;
+   else the file's defaults. Fleet actions: admission, routing weights, warm capacity (activate N
+   standby workers / return N idle workers to standby). Worker action: the Upcycle write policy.
+4. Hysteresis: a (kind, target) whose decision changed less than `min_hold_s` ago keeps it (the change is
+   retried at the next evaluation). Entering and leaving the safe policy, and admin overrides, bypass
+   the hold: they are safety and operator actions.
+Each change is a telemetry.Decision with a reason (rule name + the conditions that held) and a
+structured log entry (`log` list, drained by the service).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import statistics
+from dataclasses import dataclass, field
+
+from kite_shared.telemetry import (Decision, GatewayTelemetry, PoolTelemetry, RoutingWeights,
+                                   WorkerTelemetry)
+from kite_arbitrator.rules import Rule, RuleSet
+
+# a standby/active change is assumed lost if the worker's telemetry has not confirmed it by then
+_WARM_CONFIRM_S = 5.0
+
+
+@dataclass
+class _Seen:
+    message: object
+    at: float  # arbitrator clock when received
+
+
+@dataclass
+class ArbitratorCore:
+    rules: RuleSet
+    rules_version: str = ""
+    min_hold_s: float = 1.0
+    stale_s: float = 3.0
+    ttft_slo_s: float = 2.0
+    min_active_workers: int = 1
+    started_at: float = 0.0
+    workers: dict[str, _Seen] = field(default_factory=dict)
+    gateways: dict[str, _Seen] = field(default_factory=dict)
+    pools: dict[str, _Seen] = field(default_factory=dict)
+    current: dict[tuple[str, str], tuple[Decision, float]] = field(default_factory=dict)
+    log: list[dict] = field(default_factory=list)  # structured decision log, drained by the service
+    stale: bool = False
+    routing_mode_override: str = ""
+    activation_latencies: dict[str, float] = field(default_factory=dict)
+    _since: dict[tuple[str, str], float] = field(default_factory=dict)  # (rule, target) -> true since
+    _warm_pending: dict[str, tuple[bool, float]] = field(default_factory=dict)  # worker -> (standby, at)
+    _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+    _nonce: str = field(default_factory=lambda: os.urandom(3).hex())
+
+    # --- inputs ----------------------------------------------------------------------------------
+    def observe(self, message: WorkerTelemetry | PoolTelemetry | GatewayTelemetry, now: float) -> None:
+        if isinstance(message, WorkerTelemetry):
+            if message.draining:
+                self.workers.pop(message.instance_id, None)
+                return
+            self.workers[message.instance_id] = _Seen(message, now)
+            pending = self._warm_pending.get(message.instance_id)
+            if pending is not None and pending[0] == message.standby:
+                del self._warm_pending[message.instance_id]
+            if message.activation_latency_s is not None and \
+                    message.instance_id not in self.activation_latencies:
+                self.activation_latencies[message.instance_id] = message.activation_latency_s
+                self._log(now, "activation_measured", target=message.instance_id,
+                          decision_id=message.activation_decision_id,
+                          latency_s=round(message.activation_latency_s, 4))
+        elif isinstance(message, GatewayTelemetry):
+            self.gateways[message.instance_id] = _Seen(message, now)
+        elif isinstance(message, PoolTelemetry):
+            self.pools[message.instance_id] = _Seen(message, now)
+
+    def set_rules(self, rules: RuleSet, version: str, now: float) -> None:
+        self.rules, self.rules_version = rules, version
+        self._since.clear()
+        self._log(now, "rules_loaded", version=version, rules=[r.name for r in rules.rules])
+
+    def set_routing_mode(self, mode: str, now: float) -> list[Decision]:
+        self.routing_mode_override = mode
+        return self.evaluate(now, force=("routing", "*"))
+
+    # --- signals ---------------------------------------------------------------------------------
+    def _fresh(self, seen: dict[str, _Seen], now: float) -> dict[str, object]:
+        return {k: s.message for k, s in seen.items() if now - s.at <= self.stale_s}
+
+    def worker_signals(self, t: WorkerTelemetry) -> dict[str, float]:
+        predicted = t.prefill_backlog_tokens / t.prefill_tokens_per_s if t.prefill_tokens_per_s > 0 else 0.0
+        return {
+            "queue_depth": t.queue_depth, "num_running": t.num_running,
+            "utilization": (t.num_running + t.queue_depth) / max(1, t.max_running),
+            "running_tokens": t.running_tokens, "prefill_backlog_tokens": t.prefill_backlog_tokens,
+            "cache_fill": t.cache_bytes / t.cache_capacity_bytes if t.cache_capacity_bytes else 0.0,
+            "memory_used_fraction": t.memory_used_fraction,
+            "local_hit_rate": t.local_hit_rate, "prefill_tokens_per_s": t.prefill_tokens_per_s,
+            "decode_tokens_per_s": t.decode_tokens_per_s, "ttft_p50_s": t.ttft_p50_s,
+            "ttft_p99_s": t.ttft_p99_s, "predicted_ttft_s": predicted,
+            "ttft_over_slo": predicted / self.ttft_slo_s, "healthy": float(t.healthy),
+            "standby": float(t.standby),
+        }
+
+    def fleet_signals(self, workers: dict[str, WorkerTelemetry], gateways: dict, pools: dict) -> dict[str, float]:
+        active = [w for w in workers.values() if not w.standby and w.healthy]
+        per = {w.instance_id: self.worker_signals(w) for w in active}
+        predicted = min((s["predicted_ttft_s"] for s in per.values()), default=0.0)
+        queue = sum(w.queue_depth for w in active)
+        slots = sum(max(1, w.max_running) for w in active)
+        pool = next(iter(pools.values()), None)
+        return {
+            "active_workers": len(active),
+            "standby_workers": sum(1 for w in workers.values() if w.standby and w.healthy),
+            "total_queue_depth": queue,
+            "mean_queue_depth": queue / len(active) if active else 0.0,
+            "utilization": sum(w.num_running + w.queue_depth for w in active) / slots if slots else 0.0,
+            "predicted_ttft_s": predicted, "ttft_over_slo": predicted / self.ttft_slo_s,
+            "ttft_p99_s": max((w.ttft_p99_s for w in active), default=0.0),
+            "max_cache_fill": max((self.worker_signals(w)["cache_fill"] for w in workers.values()), default=0.0),
+            "mean_local_hit_rate": statistics.fmean([w.local_hit_rate for w in active]) if active else 0.0,
+            "request_rate": sum(g.request_rate for g in gateways.values()),
+            "error_rate": max((g.error_rate for g in gateways.values()), default=0.0),
+            "pool_hot_fill": pool.hot_fill if pool else 0.0,
+            "pool_hit_rate": pool.hit_rate if pool else 0.0,
+            "pool_tiers_down": sum(1 for t in pool.tiers.values() if not t.up) if pool else 0,
+        }
+
+    def _winner(self, rules: list[Rule], action: str, signals: dict[str, float], target: str,
+                now: float) -> tuple[Rule, str] | None:
+        winner = None  # every rule's `for_s` clock is updated, not only up to the winner
+        for rule in rules:
+            if getattr(rule.then, action) is None:
+                continue
+            held = rule.matches(signals)
+            key = (rule.name, target)
+            if held is None:
+                self._since.pop(key, None)
+                continue
+            since = self._since.setdefault(key, now)
+            if winner is None and now - since >= rule.for_s:
+                winner = rule, held if not rule.for_s else f"{held} for {now - since:.0f} s"
+        return winner
+
+    # --- evaluation --------------------------------------------------------------------------------
+    def evaluate(self, now: float, force: tuple[str, str] | None = None) -> list[Decision]:
+        workers = self._fresh(self.workers, now)
+        gateways = self._fresh(self.gateways, now)
+        pools = self._fresh(self.pools, now)
+        for wid in [w for w in self.workers if w not in workers]:
+            if now - self.workers[wid].at > 60 * self.stale_s:
+                del self.workers[wid]
+        out: list[Decision] = []
+        if not workers and (self.workers or now - self.started_at >= self.stale_s):
+            if not self.stale:
+                self.stale = True
+                self._log(now, "stale", reason="no fresh worker telemetry: static safe policy")
+                safe = self.rules.safe_policy
+                reason = f"telemetry stale (none fresher than {self.stale_s:g} s): static safe policy"
+                for key in [k for k in self.current if k[0] == "write_policy"]:
+                    del self.current[key]
+                out += self._set("write_policy", "*", dict(write_policy=safe.write_policy), reason,
+                                 "safe_policy", now, bypass_hold=True)
+                out += self._set("admission", "*", dict(admit=safe.admission == "open",
+                                                        retry_after_s=safe.retry_after_s), reason,
+                                 "safe_policy", now, bypass_hold=True)
+                out += self._set("routing", "*", dict(weights=safe.routing_weights,
+                                                      routing_mode=self.routing_mode_override), reason,
+                                 "safe_policy", now, bypass_hold=True)
+            elif force == ("routing", "*"):
+                out += self._set("routing", "*", dict(weights=self.rules.safe_policy.routing_weights,
+                                                      routing_mode=self.routing_mode_override),
+                                 "admin override of the routing mode", "admin", now, bypass_hold=True)
+            return out
+        was_stale, self.stale = self.stale, False
+        if was_stale:
+            self._log(now, "fresh", reason="worker telemetry is fresh again: rules apply")
+            self.current.pop(("write_policy", "*"), None)
+        fleet = self.fleet_signals(workers, gateways, pools)
+        fleet_rules = self.rules.ordered("fleet")
+        defaults = self.rules.defaults
+
+        win = self._winner(fleet_rules, "admission", fleet, "*", now)
+        admission = win[0].then.admission if win else defaults.admission
+        retry = win[0].then.retry_after_s if win else defaults.retry_after_s
+        reason = self._reason(win, "default admission")
+        out += self._set("admission", "*", dict(admit=admission == "open", retry_after_s=retry,
+                                                predicted_ttft_s=round(fleet["predicted_ttft_s"], 4)),
+                         reason, win[0].name if win else "default", now, bypass_hold=was_stale)
+
+        win = self._winner(fleet_rules, "routing_weights", fleet, "*", now)
+        weights = win[0].then.routing_weights if win else defaults.routing_weights
+        out += self._set("routing", "*", dict(weights=weights, routing_mode=self.routing_mode_override),
+                         self._reason(win, "default routing weights") if force != ("routing", "*")
+                         else "admin override of the routing mode",
+                         "admin" if force == ("routing", "*") else win[0].name if win else "default", now,
+                         bypass_hold=was_stale or force == ("routing", "*"))
+
+        out += self._warm_capacity(workers, fleet, fleet_rules, now)
+
+        worker_rules = self.rules.ordered("worker")
+        for wid, t in sorted(workers.items()):
+            signals = self.worker_signals(t)
+            win = self._winner(worker_rules, "write_policy", signals, wid, now)
+            policy = win[0].then.write_policy if win else defaults.write_policy
+            out += self._set("write_policy", wid, dict(write_policy=policy),
+                             self._reason(win, "default write policy"), win[0].name if win else "default",
+                             now, bypass_hold=was_stale)
+        return out
+
+    def _warm_capacity(self, workers: dict[str, WorkerTelemetry], fleet: dict[str, float],
+                       rules: list[Rule], now: float) -> list[Decision]:
+        for wid, (_, at) in list(self._warm_pending.items()):
+            if now - at > _WARM_CONFIRM_S:
+                del self._warm_pending[wid]
+
+        def standby(w: WorkerTelemetry) -> bool:
+            return self._warm_pending[w.instance_id][0] if w.instance_id in self._warm_pending else w.standby
+
+        out: list[Decision] = []
+        win = self._winner(rules, "activate_standby", fleet, "*", now)
+        if win is not None:
+            idle = sorted(wid for wid, w in workers.items() if standby(w) and w.healthy)
+            for wid in idle[:win[0].then.activate_standby]:
+                out += self._warm(wid, False, self._reason(win, ""), win[0].name, now)
+        win = self._winner(rules, "scale_in", fleet, "*", now)
+        if win is not None:
+            active = [w for w in workers.values() if not standby(w) and w.healthy]
+            idle = sorted((w for w in active if w.num_running + w.queue_depth == 0),
+                          key=lambda w: (w.requests_accepted, w.instance_id))
+            room = max(0, len(active) - self.min_active_workers)
+            for w in idle[:min(room, win[0].then.scale_in)]:
+                out += self._warm(w.instance_id, True, self._reason(win, ""), win[0].name, now)
+        return out
+
+    def _warm(self, wid: str, standby: bool, reason: str, rule: str, now: float) -> list[Decision]:
+        key = ("warm_capacity", wid)
+        if key in self.current and now - self.current[key][1] < self.min_hold_s:
+            return []  # hysteresis: no flip back within the hold
+        decision = self._decision("warm_capacity", wid, dict(standby=standby), reason, rule, now)
+        self.current[key] = (decision, now)
+        self._warm_pending[wid] = (standby, now)
+        self._log(now, "decision", **self._entry(decision, None))
+        return [decision]
+
+    # --- helpers -------------------------------------------------------------------------------------
+    @staticmethod
+    def _reason(win: tuple[Rule, str] | None, default: str) -> str:
+        if win is None:
+            return f"{default} (no rule matched)"
+        rule, held = win
+        return f"rule {rule.name} (priority {rule.priority}): {held}"
+
+    def _decision(self, kind: str, target: str, values: dict, reason: str, rule: str, now: float) -> Decision:
+        return Decision(decision_id=f"{self._nonce}-{next(self._ids)}", kind=kind, target=target,
+                        reason=reason, rule=rule, issued_at=now, **values)
+
+    _COMPARED = {"write_policy": ("write_policy",), "admission": ("admit", "retry_after_s"),
+                 "routing": ("weights", "routing_mode"), "warm_capacity": ("standby",)}
+
+    def _set(self, kind: str, target: str, values: dict, reason: str, rule: str, now: float,
+             bypass_hold: bool = False) -> list[Decision]:
+        key = (kind, target)
+        prev = self.current.get(key)
+        if prev is not None:
+            same = all(getattr(prev[0], f) == values.get(f, getattr(prev[0], f)) for f in self._COMPARED[kind])
+            if same:
+                return []
+            if not bypass_hold and now - prev[1] < self.min_hold_s:
+                return []  # hysteresis: retried at the next evaluation
+        decision = self._decision(kind, target, values, reason, rule, now)
+        self.current[key] = (decision, now)
+        self._log(now, "decision", **self._entry(decision, prev[0] if prev else None))
+        return [decision]
+
+    def _entry(self, d: Decision, prev: Decision | None) -> dict:
+        def value(x: Decision | None) -> object:
+            if x is None:
+                return None
+            return {"write_policy": x.write_policy, "admission": "open" if x.admit else "shed",
+                    "routing": {"weights": x.weights.model_dump() if x.weights else None,
+                                "mode": x.routing_mode or "setting"},
+                    "warm_capacity": "standby" if x.standby else "active"}[x.kind]
+        return {"decision_id": d.decision_id, "kind": d.kind, "target": d.target, "rule": d.rule,
+                "reason": d.reason, "from": value(prev), "to": value(d)}
+
+    def _log(self, now: float, event: str, **fields) -> None:
+        self.log.append({"at": round(now, 3), "event": event, **fields})
+
+    def take_log(self) -> list[dict]:
+        entries, self.log = self.log, []
+        return entries
+
+    def current_decisions(self) -> list[Decision]:
+        return [d for d, _ in self.current.values() if d.kind != "warm_capacity"]

@@ -1,0 +1,156 @@
+"""Telemetry and arbitrator decisions: the control plane's messages, one versioned schema (issue 5).
+
+Same wire rules as `messages.py` (msgpack map + "v" + "kind", validated, unknown fields ignored so a newer
+sender can add optional fields). `TELEMETRY_SCHEMA` is bumped when a field changes meaning; receivers
+ignore messages of another schema.
+
+    worker        -> kite.v1.telemetry.worker       WorkerTelemetry   every KITE_TELEMETRY_INTERVAL_S and
+                                                                      at once on a significant change
+    ru-pool       -> kite.v1.telemetry.ru-pool      PoolTelemetry     every KITE_TELEMETRY_INTERVAL_S
+    gateway       -> kite.v1.telemetry.gateway      GatewayTelemetry  every KITE_TELEMETRY_INTERVAL_S
+    arbitrator    -> kite.v1.arbitrator.decisions   Decision          on every change (and a periodic
+                                                                      refresh of the current ones)
+    admin tools   -> kite.v1.arbitrator.admin       ArbitratorAdminRequest -> ArbitratorAdminReply
+"""
+
+from __future__ import annotations
+
+import time
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kite_shared.messages import Message, MessageError, TierStats, _unpack, _validate
+
+TELEMETRY_SCHEMA = 1
+
+WritePolicy = Literal["write_through", "selective", "off"]
+RoutingMode = Literal["cache_aware", "least_loaded", "round_robin", "queue_group"]
+WRITE_POLICIES: tuple[str, ...] = ("write_through", "selective", "off")
+ROUTING_MODES: tuple[str, ...] = ("cache_aware", "least_loaded", "round_robin", "queue_group")
+
+
+class Telemetry(Message):
+    KIND: ClassVar[str] = "telemetry"
+    schema_version: int = TELEMETRY_SCHEMA
+    instance_id: str
+    sent_at: float = Field(default_factory=time.time)  # unix seconds
+
+
+class WorkerTelemetry(Telemetry):
+    KIND: ClassVar[str] = "worker_telemetry"
+    queue_depth: int = 0  # requests admitted, waiting for a slot (incl. loading pool blocks)
+    num_running: int = 0  # requests generating now
+    max_running: int = 1  # KITE_WORKER_MAX_RUNNING
+    running_tokens: int = 0  # KV positions held by running requests (prompt + generated)
+    prefill_backlog_tokens: int = 0  # prompt tokens admitted but not computed yet
+    cache_bytes: int = 0  # local hot cache use
+    cache_capacity_bytes: int = 0  # KITE_WORKER_CACHE_BYTES (watermark = bytes / capacity)
+    memory_used_fraction: float = 0.0  # host memory in use, 1 - MemAvailable / MemTotal (0 if unknown)
+    local_hit_rate: float = 0.0  # reused / prompt tokens over the window
+    prompt_tokens_window: int = 0  # prompt tokens the hit rate is over
+    prefill_tokens_per_s: float = 0.0  # measured by the engine (EWMA)
+    decode_tokens_per_s: float = 0.0  # measured by the engine (EWMA)
+    ttft_p50_s: float = 0.0  # admission -> first token over the window
+    ttft_p99_s: float = 0.0
+    ttft_samples: int = 0
+    healthy: bool = True  # engine thread alive, not draining
+    standby: bool = False  # model loaded but not taking traffic
+    draining: bool = False
+    write_policy: str = "write_through"  # the Upcycle write policy in force
+    requests_accepted: int = 0  # lifetime
+    # warm capacity: the decision that activated this worker and decision -> first accepted request
+    activation_decision_id: str = ""
+    activation_latency_s: float | None = None
+
+
+class PoolTelemetry(Telemetry):
+    KIND: ClassVar[str] = "pool_telemetry"
+    tiers: dict[str, TierStats] = Field(default_factory=dict)  # hot / warm / cold: up, blocks, hit rate
+    hot_fill: float = 0.0  # hot tier bytes / KITE_POOL_HOT_BYTES
+    hit_rate: float = 0.0  # over every tier, lifetime
+    index_blocks: int = 0
+
+
+class GatewayTelemetry(Telemetry):
+    KIND: ClassVar[str] = "gateway_telemetry"
+    request_rate: float = 0.0  # API requests per second over the window
+    error_rate: float = 0.0  # fraction of those answered >= 500 (early rejects included)
+    rejected_rate: float = 0.0  # fraction rejected early by admission control
+    in_flight: int = 0
+
+
+_TELEMETRY_KINDS: dict[str, type[Telemetry]] = {
+    c.KIND: c for c in (WorkerTelemetry, PoolTelemetry, GatewayTelemetry)}
+
+
+def decode_telemetry(data: bytes) -> WorkerTelemetry | PoolTelemetry | GatewayTelemetry:
+    body = _unpack(data)
+    cls = _TELEMETRY_KINDS.get(body.get("kind"))
+    if cls is None:
+        raise MessageError(f"not telemetry: kind {body.get('kind')!r}")
+    if body.get("schema_version", TELEMETRY_SCHEMA) != TELEMETRY_SCHEMA:
+        raise MessageError(f"telemetry schema {body.get('schema_version')!r}, this build speaks {TELEMETRY_SCHEMA}")
+    return _validate(cls, body)  # type: ignore[return-value]
+
+
+# --- decisions ------------------------------------------------------------------------------------
+
+
+class RoutingWeights(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    affinity: float = Field(default=1.0, ge=0)  # weight of prefill still to compute (cache affinity)
+    load: float = Field(default=1.0, ge=0)  # weight of the worker's load
+
+
+DecisionKind = Literal["write_policy", "admission", "routing", "warm_capacity"]
+
+
+class Decision(Message):
+    """One arbitrator decision. `kind` says which fields matter and who applies it:
+
+    write_policy   worker `target` (or "*")    write_policy
+    admission      gateways                    admit, retry_after_s, predicted_ttft_s
+    routing        fingerprinters              weights, routing_mode ("" = keep)
+    warm_capacity  worker `target`             standby (False = activate, True = scale in)
+    """
+
+    KIND: ClassVar[str] = "arbitrator_decision"
+    schema_version: int = TELEMETRY_SCHEMA
+    decision_id: str
+    kind: DecisionKind
+    target: str = "*"
+    reason: str  # why, in words (rule name and the signals that matched)
+    rule: str = ""  # name of the rule, "safe_policy", "default" or "admin"
+    issued_at: float = Field(default_factory=time.time)  # unix seconds
+    refresh: bool = False  # re-announcement of a decision already in force (for restarted services)
+    write_policy: WritePolicy | None = None
+    admit: bool = True
+    retry_after_s: int = 1
+    predicted_ttft_s: float = 0.0
+    weights: RoutingWeights | None = None
+    routing_mode: str = ""
+    standby: bool | None = None
+
+
+class ArbitratorAdminRequest(Message):
+    """ops: status (rules version, current decisions, decision latency), reload (rules file now),
+    set_routing_mode (admin override of the routing mode; routing_mode="" clears it)."""
+
+    KIND: ClassVar[str] = "arbitrator_admin_request"
+    op: Literal["status", "reload", "set_routing_mode"]
+    routing_mode: str = ""
+
+
+class ArbitratorAdminReply(Message):
+    KIND: ClassVar[str] = "arbitrator_admin_reply"
+    ok: bool
+    error: str = ""
+    rules_version: str = ""  # sha-256 prefix of the active rules file
+    rules_source: str = ""
+    current: list[Decision] = Field(default_factory=list)
+    decision_latency_p50_ms: float = 0.0
+    decision_latency_p99_ms: float = 0.0
+    decision_latency_samples: int = 0
+    activation_latencies_s: dict[str, float] = Field(default_factory=dict)  # worker -> seconds
+    stale: bool = False
