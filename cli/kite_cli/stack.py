@@ -36,6 +36,7 @@ class StackOptions:
     services: tuple[str, ...] = ("fingerprinter", "ru-pool", "arbitrator", "gateway")  # besides workers
     env: dict[str, str] = field(default_factory=dict)  # extra KITE_* settings for every service
     log_dir: Path | None = None
+    metrics: bool = False  # give every non-gateway service a free KITE_METRICS_PORT
 
 
 @dataclass
@@ -43,6 +44,7 @@ class ServiceProcess:
     name: str
     process: subprocess.Popen
     log_path: Path
+    metrics_port: int = 0  # its Prometheus endpoint on 127.0.0.1, when StackOptions.metrics is on
 
 
 class LocalStack:
@@ -98,11 +100,15 @@ class LocalStack:
         env.update(extra_env or {})
         if instance_id:
             env["KITE_INSTANCE_ID"] = instance_id
+        metrics_port = 0
+        if self.options.metrics and name != "gateway":  # the gateway serves /metrics on its HTTP port
+            metrics_port = free_port()
+            env["KITE_METRICS_PORT"] = str(metrics_port)
         log_path = self.log_dir / f"{instance_id or name}.log"
         log = log_path.open("ab")
         process = subprocess.Popen([sys.executable, "-m", SERVICE_MODULES[name]], env=env,
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        proc = ServiceProcess(name, process, log_path)
+        proc = ServiceProcess(name, process, log_path, metrics_port)
         self.processes.append(proc)
         return proc
 

@@ -159,9 +159,11 @@ def llamacpp_unavailable_reason() -> str | None:
 class LlamaCppSystem:
     """llama-cpp-python on the GGUF the KITE model is converted from, with a LlamaRAMCache prompt cache.
 
-    `cached_tokens` is the prompt prefix llama.cpp does not evaluate again: the longer of the prefix shared
-    with the context's current tokens and with the best RAM-cache entry (what create_completion restores),
-    capped at len(prompt) - 1 as llama.cpp always evaluates the last prompt token.
+    Drives `Llama.generate` with the prompt cache handled as `create_completion` does (restore the longest
+    cached prefix when it beats what the context already holds; save the state after the answer), so that
+    generation stops on the same end-of-turn token ids as the other systems (the GGUF's own EOS is not
+    SmolLM2's `<|im_end|>`) and the reused prefix is known exactly: `cached_tokens` is the prompt prefix
+    llama.cpp does not evaluate again (at most len(prompt) - 1: the last prompt token is always evaluated).
     """
 
     def __init__(self, tokenizer, n_ctx: int = 4096, cache_bytes: int = 2 << 30) -> None:
@@ -174,7 +176,9 @@ class LlamaCppSystem:
         self.llm = Llama(model_path=str(self.gguf), n_ctx=n_ctx, n_threads=os.cpu_count() or 1,
                          n_batch=512, seed=0, verbose=False)
         self.cache = LlamaRAMCache(capacity_bytes=cache_bytes)
-        self.llm.set_cache(self.cache)
+        self.stop_ids = {int(t) for t in (tokenizer.convert_tokens_to_ids(["<|im_end|>"])
+                                           + [tokenizer.eos_token_id, self.llm.token_eos()])
+                         if t is not None and t >= 0}
         self.version = __import__("llama_cpp").__version__
 
     def reset(self) -> None:
@@ -182,40 +186,36 @@ class LlamaCppSystem:
         from llama_cpp import LlamaRAMCache
 
         self.cache = LlamaRAMCache(capacity_bytes=self.cache.capacity_bytes)
-        self.llm.set_cache(self.cache)
         self.llm.reset()
 
-    def _reused(self, ids: list[int]) -> int:
+    def __call__(self, messages: list[dict], max_tokens: int) -> Outcome:
         from llama_cpp import Llama
 
-        current = Llama.longest_token_prefix(self.llm._input_ids.tolist(), ids)
-        cached = 0
-        try:
-            key = self.cache._find_longest_prefix_key(tuple(ids))
-            if key is not None:
-                cached = Llama.longest_token_prefix(list(key), ids)
-        except Exception:
-            pass
-        return max(0, min(max(current, cached), len(ids) - 1))
-
-    def __call__(self, messages: list[dict], max_tokens: int) -> Outcome:
         ids = chat_token_ids(self.tokenizer, messages)
-        reused = self._reused(ids)
         started = time.perf_counter()
         ttft = None
-        parts: list[str] = []
+        out: list[int] = []
         try:
-            for chunk in self.llm.create_completion(prompt=ids, max_tokens=max_tokens, temperature=0.0,
-                                                    top_k=1, stream=True):
-                text = chunk["choices"][0].get("text") or ""
-                if text and ttft is None:
+            try:
+                item = self.cache[ids]  # longest cached prefix; KeyError when none
+                if Llama.longest_token_prefix(item.input_ids.tolist(), ids) > \
+                        Llama.longest_token_prefix(self.llm._input_ids.tolist(), ids):
+                    self.llm.load_state(item)
+            except KeyError:
+                pass
+            reused = max(0, min(Llama.longest_token_prefix(self.llm._input_ids.tolist(), ids), len(ids) - 1))
+            for token in self.llm.generate(ids, temp=0.0, top_k=1, reset=True):
+                if ttft is None:
                     ttft = time.perf_counter() - started
-                parts.append(text)
+                if token in self.stop_ids:
+                    break
+                out.append(token)
+                if len(out) >= max_tokens:
+                    break
+            self.cache[ids + out] = self.llm.save_state()
         except Exception as exc:
-            return Outcome(ttft, len(ids), 0, reused, "".join(parts), f"{type(exc).__name__}: {exc}")
-        text = "".join(parts)
-        completion = len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
-        return Outcome(ttft, len(ids), completion, reused, text)
+            return Outcome(ttft, len(ids), len(out), 0, "", f"{type(exc).__name__}: {exc}")
+        return Outcome(ttft, len(ids), len(out), reused, self.tokenizer.decode(out, skip_special_tokens=True))
 
 
 def vllm_skip_reason() -> str:

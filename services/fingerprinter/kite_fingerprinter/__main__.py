@@ -15,6 +15,7 @@ from kite_shared.service import ServiceRuntime, request_id_var, run_service
 from kite_shared.tiers.pool_client import PoolClient
 from kite_shared.tracing import headers_with_context, start_span_from_headers, use_span
 from kite_fingerprinter.core import Fingerprinter, RequestError
+from kite_fingerprinter.router import Router
 
 log = logging.getLogger("kite_fingerprinter")
 
@@ -25,14 +26,18 @@ TOKENIZE_SECONDS = Histogram("kite_tokenize_seconds", "Chat template + tokenizat
 
 
 class FingerprinterService:
-    def __init__(self, rt: ServiceRuntime, core: Fingerprinter, worker_timeout_s: float) -> None:
+    def __init__(self, rt: ServiceRuntime, core: Fingerprinter, worker_timeout_s: float,
+                 cfg: FingerprinterConfig | None = None) -> None:
         self.rt = rt
         self.core = core
         self.worker_timeout_s = worker_timeout_s
+        # issue 5: cache-aware routing to a worker's own subject (queue group as the fallback)
+        self.router = Router(rt.nc, cfg or load(FingerprinterConfig), worker_timeout_s)
 
     async def start(self) -> None:
         self.rt.set_heartbeat_fields(lambda: {"model": self.core.model_name,
                                               "max_context_tokens": self.core.max_context_tokens})
+        await self.router.start()
         await self.rt.nc.subscribe(subjects.FINGERPRINT, queue=subjects.FINGERPRINTER_QUEUE, cb=self.on_request)
         # Freshness: the ru-pool stops serving (and purges) blocks of any earlier fingerprint of this model.
         await PoolClient(self.rt.nc).model_fingerprint_changed(self.core.model_name,
@@ -61,20 +66,9 @@ class FingerprinterService:
         except RequestError as exc:
             return Admission(accepted=False, error=exc.info)
         CF_SECONDS.observe(self.core.last_cf_seconds)
-        try:
-            reply = await self.rt.nc.request(subjects.WORKER_GENERATE, tokenized.encode(),
-                                             timeout=self.worker_timeout_s,
-                                             headers=headers_with_context() or None)
-        except NoRespondersError:
-            return Admission(accepted=False, error=ErrorInfo(code="no_worker", message="No worker is available"))
-        except NatsTimeoutError:
-            return Admission(accepted=False, error=ErrorInfo(
-                code="worker_timeout", message="No worker accepted the request in time"))
-        try:
-            return Admission.decode(reply.data)
-        except MessageError as exc:
-            log.error("worker sent an invalid admission: %s", exc)
-            return Admission(accepted=False, error=ErrorInfo(code="internal_error", message="invalid worker reply"))
+        # The router picks the worker (cache-aware, kite_fingerprinter/router.py) and maps no responders,
+        # timeouts and invalid replies to refusals (no_worker, worker_timeout, internal_error).
+        return await self.router.dispatch(tokenized, request.session_id, headers=headers_with_context() or None)
 
 
 def build_core(model_cfg: ModelConfig, cfg: FingerprinterConfig) -> Fingerprinter:
@@ -93,7 +87,7 @@ def main() -> None:
         start_http_server(cfg.metrics_port, addr="0.0.0.0")
 
     async def setup(rt: ServiceRuntime) -> None:
-        await FingerprinterService(rt, core, cfg.admit_timeout_s).start()
+        await FingerprinterService(rt, core, cfg.admit_timeout_s, cfg).start()
 
     run_service("fingerprinter", setup)
 

@@ -66,7 +66,8 @@ class Fingerprinter:
             reuse=request.reuse, cache_salt=request.cache_salt,
             model_fingerprint=self.identity.fingerprint_hex, block_size=self.block_size,
             block_hashes=[bytes(h) for h in hashes], stream_subject=request.stream_subject,
-            created_at=request.created_at, num_resumed_tokens=len(resumed))
+            created_at=request.created_at, num_resumed_tokens=len(resumed),
+            session_id=request.session_id)
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
         if request.messages is not None:

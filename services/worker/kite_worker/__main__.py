@@ -27,6 +27,7 @@ from kite_shared.tiers.client import TierClient
 from kite_shared.tiers.pool_client import PoolClient
 from kite_shared.tracing import start_span_from_headers, use_span
 from kite_worker.block_cache import BlockCache, CacheEvent
+from kite_worker.control import WorkerControl
 from kite_worker.engine import Engine, EngineOptions, NewBlock, RequestRejected, Sequence
 from kite_worker.pool_loader import CostModel, PoolLoader
 from kite_worker.scheduler import Scheduler
@@ -98,6 +99,9 @@ class WorkerService:
         self._last_reused = 0
         self._last_computed = 0
         self._stopping = False
+        # issue 5: telemetry, arbitrator decisions (write policy, standby), generate subscriptions
+        self.control = WorkerControl(self, cfg.standby, cfg.write_policy, cfg.telemetry_interval_s,
+                                     cfg.telemetry_window_s, on_request=self.on_generate)
 
     async def start(self) -> None:
         if self.cfg.pool_read and self.loaded.engine.options.reuse:
@@ -111,8 +115,7 @@ class WorkerService:
         self._events_task = asyncio.create_task(self._publish_events())
         self._blocks_task = asyncio.create_task(self._publish_blocks())
         self._cache_events_task = asyncio.create_task(self._publish_cache_events())
-        self._generate_sub = await self.rt.nc.subscribe(subjects.WORKER_GENERATE, queue=subjects.WORKER_QUEUE,
-                                                        cb=self.on_generate)
+        await self.control.start()  # subscribes to the generate subjects unless KITE_WORKER_STANDBY
         await self.rt.nc.subscribe(subjects.WORKER_CANCEL, cb=self.on_cancel)
         self.rt.on_drain(self.drain)
 
@@ -142,7 +145,9 @@ class WorkerService:
         QUEUE_DEPTH.set(self.scheduler.num_queued)
         RUNNING.set(self.scheduler.num_running)
         while self.scheduler.ttft_samples:
-            TTFT.observe(self.scheduler.ttft_samples.popleft())
+            ttft = self.scheduler.ttft_samples.popleft()
+            TTFT.observe(ttft)
+            self.control.ttft(ttft)
 
     # --- handlers --------------------------------------------------------------------------------------
 
@@ -183,6 +188,7 @@ class WorkerService:
             return
         self._spans[request.request_id] = span
         REQUESTS.labels("accepted").inc()
+        self._blocks_from_engine(self.control.accepted(request), filtered=True)  # selective write policy
         await self._reply(msg, Admission(accepted=True, worker_id=self.rt.instance_id,
                                          prompt_tokens=len(request.prompt_token_ids)))
         if self.loader is None or not seq.reuse:
@@ -260,9 +266,11 @@ class WorkerService:
             if stored:
                 await self.pool.block_stored(fingerprint, stored)
 
-    def _blocks_from_engine(self, blocks: list[NewBlock]) -> None:
+    def _blocks_from_engine(self, blocks: list[NewBlock], filtered: bool = False) -> None:
         if not self.cfg.pool_write:
             return
+        if not filtered:
+            blocks = self.control.writes.filter(blocks)  # the arbitrator's Upcycle write policy
         for block in blocks:
             try:
                 self._pool_outbox.put_nowait(block)
@@ -296,11 +304,10 @@ class WorkerService:
 
     async def drain(self) -> None:
         """Finish in-flight requests (new ones are refused while draining), then stop the engine."""
-        # Leave the queue group first, so NATS routes new requests to the other workers (issue 7).
-        try:
-            await self._generate_sub.unsubscribe()
-        except Exception as exc:
-            log.debug("could not leave the worker queue group: %s", exc)
+        # Leave the queue group (and this worker's routed subject) first, so NATS routes new requests to
+        # the other workers (issue 7); the draining telemetry takes it out of the routers at once.
+        await self.control.leave()
+        await self.control.publish()
         while not self.scheduler.idle():
             await asyncio.sleep(0.05)
         while not self._events.empty():
@@ -311,6 +318,7 @@ class WorkerService:
         await self._blocks_task  # returns once the ru-pool outbox is flushed
         self._events_task.cancel()
         self._cache_events_task.cancel()
+        await self.control.stop()
         if self.tier_client is not None:
             await self.tier_client.close()
 

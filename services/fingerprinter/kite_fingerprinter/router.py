@@ -1,0 +1,219 @@
+"""The fingerprinter's router: which worker gets a tokenized request (policy: kite_shared.routing).
+
+- Live workers come from worker heartbeats and telemetry (kite.v1.telemetry.worker). A worker silent for
+  KITE_ROUTER_WORKER_TIMEOUT_S (5 s) leaves the routing set; its next message brings it back. Draining and
+  standby workers are not candidates; only workers that sent telemetry are (a worker publishes it at
+  once on start, so a worker of an older build without telemetry still gets work through the queue group).
+- Per request: ask the ru-pool which leading blocks each worker and the pool hold (`kite.v1.pool.lookup`,
+  KITE_ROUTER_LOOKUP_TIMEOUT_S), pick a worker (`routing.choose`), send the TokenizedRequest to its own
+  subject `kite.v1.worker.<id>.generate`. No candidate, or the chosen worker has no subscriber / refuses
+  as overloaded or draining: the request goes to the queue group (`kite.v1.worker.generate`) instead.
+- Arbitrator `routing` decisions set the weights (affinity vs load) and may switch the mode
+  (cache_aware, least_loaded, round_robin, queue_group); "" returns to KITE_ROUTER_MODE.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+from prometheus_client import Counter
+
+from kite_shared import subjects
+from kite_shared.config import FingerprinterConfig
+from kite_shared.messages import Admission, ErrorInfo, Heartbeat, MessageError, TokenizedRequest
+from kite_shared.routing import RouteRequest, RoutingKnobs, WorkerState, choose
+from kite_shared.telemetry import ROUTING_MODES, Decision, WorkerTelemetry
+from kite_shared.tiers.pool_client import PoolClient
+
+log = logging.getLogger(__name__)
+
+ROUTED = Counter("kite_router_decisions_total", "Requests routed, by reason", ["reason"])
+_PENDING_MAX_AGE_S = 5.0
+_REFUSALS_TO_RETRY = ("overloaded", "shutting_down")
+
+
+@dataclass
+class _Worker:
+    worker_id: str
+    seen: float  # monotonic
+    telemetry: WorkerTelemetry | None = None
+    draining: bool = False
+    num_running: int = 0
+    num_queued: int = 0
+    pending: list[tuple[float, int]] = field(default_factory=list)  # (unix time sent, prompt tokens)
+
+
+class LiveWorkers:
+    """Which workers may be routed to, and their load. Pure state (clocks passed in)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._workers: dict[str, _Worker] = {}
+
+    def heartbeat(self, beat: Heartbeat, now: float) -> None:
+        w = self._workers.setdefault(beat.instance_id, _Worker(beat.instance_id, now))
+        w.seen, w.draining = now, beat.draining
+        w.num_running, w.num_queued = beat.num_running, beat.num_queued
+
+    def telemetry(self, t: WorkerTelemetry, now: float) -> None:
+        w = self._workers.setdefault(t.instance_id, _Worker(t.instance_id, now))
+        w.seen, w.telemetry, w.draining = now, t, t.draining
+        w.num_running, w.num_queued = t.num_running, t.queue_depth
+        # requests sent before this snapshot are in it (a small margin for the admission itself)
+        w.pending = [(at, n) for at, n in w.pending if at > t.sent_at - 0.02 and at > t.sent_at - _PENDING_MAX_AGE_S]
+
+    def sent(self, worker_id: str, tokens: int, at: float) -> None:
+        if worker_id in self._workers:
+            self._workers[worker_id].pending.append((at, tokens))
+
+    def forget(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+
+    def candidates(self, now: float) -> list[WorkerState]:
+        out = []
+        for w in self._workers.values():
+            t = w.telemetry
+            if now - w.seen > self.timeout_s or w.draining or t is None or t.standby or not t.healthy:
+                continue
+            out.append(WorkerState(
+                worker_id=w.worker_id, num_running=w.num_running, queue_depth=w.num_queued,
+                running_tokens=t.running_tokens, backlog_tokens=t.prefill_backlog_tokens,
+                pending_tokens=sum(n for _, n in w.pending), pending_requests=len(w.pending)))
+        return out
+
+
+class Router:
+    def __init__(self, nc: NATS, cfg: FingerprinterConfig, worker_timeout_s: float,
+                 pool: PoolClient | None = None) -> None:
+        self.nc = nc
+        self.cfg = cfg
+        self.worker_timeout_s = worker_timeout_s  # admission wait (KITE_ADMIT_TIMEOUT_S)
+        self.pool = pool or PoolClient(nc)
+        self.live = LiveWorkers(cfg.router_worker_timeout_s)
+        self.knobs = RoutingKnobs(affinity_weight=cfg.router_affinity_weight, load_weight=cfg.router_load_weight,
+                                  pool_hit_weight=cfg.router_pool_hit_weight)
+        self.mode_override = ""
+        self._sessions: dict[str, tuple[str, float]] = {}  # session id -> (worker, expires monotonic)
+        self._rr = 0
+
+    @property
+    def mode(self) -> str:
+        return self.mode_override or self.cfg.router_mode
+
+    async def start(self) -> None:
+        await self.nc.subscribe(subjects.heartbeat("worker"), cb=self._on_heartbeat)
+        await self.nc.subscribe(subjects.telemetry("worker"), cb=self._on_telemetry)
+        await self.nc.subscribe(subjects.DECISIONS, cb=self._on_decision)
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            self.live.heartbeat(Heartbeat.decode(msg.data), time.monotonic())
+        except MessageError as exc:
+            log.debug("bad heartbeat: %s", exc)
+
+    async def _on_telemetry(self, msg: Msg) -> None:
+        try:
+            self.live.telemetry(WorkerTelemetry.decode(msg.data), time.monotonic())
+        except MessageError as exc:
+            log.debug("bad worker telemetry: %s", exc)
+
+    async def _on_decision(self, msg: Msg) -> None:
+        try:
+            d = Decision.decode(msg.data)
+        except MessageError as exc:
+            log.warning("bad decision: %s", exc)
+            return
+        if d.kind != "routing":
+            return
+        if d.weights is not None:
+            knobs = RoutingKnobs(affinity_weight=d.weights.affinity, load_weight=d.weights.load,
+                                 pool_hit_weight=self.knobs.pool_hit_weight)
+            if knobs != self.knobs:
+                log.info("routing weights affinity=%g load=%g (decision %s: %s)", knobs.affinity_weight,
+                         knobs.load_weight, d.decision_id, d.reason)
+                self.knobs = knobs
+        mode = d.routing_mode if d.routing_mode in ROUTING_MODES else ""
+        if mode != self.mode_override:
+            log.info("routing mode %s (decision %s: %s)", mode or self.cfg.router_mode, d.decision_id, d.reason)
+            self.mode_override = mode
+
+    # --- dispatch -----------------------------------------------------------------------------------
+    async def dispatch(self, request: TokenizedRequest, session_id: str = "",
+                       headers: dict | None = None) -> Admission:
+        """Send `request` to the chosen worker (or the queue group) and return its admission."""
+        now = time.monotonic()
+        worker_id, reason = await self._choose(request, session_id, now)
+        if worker_id:
+            admission = await self._ask(subjects.worker_generate(worker_id), request, headers)
+            if admission is None:  # nobody on its subject: it died or went to standby
+                self.live.forget(worker_id)
+            elif admission.accepted or (admission.error and admission.error.code not in _REFUSALS_TO_RETRY):
+                ROUTED.labels(reason).inc()
+                if admission.accepted:
+                    self._accepted(admission.worker_id or worker_id, request, session_id, now)
+                return admission
+        ROUTED.labels("queue_group").inc()
+        admission = await self._ask(subjects.WORKER_GENERATE, request, headers)
+        if admission is None:
+            return Admission(accepted=False, error=ErrorInfo(code="no_worker", message="No worker is available"))
+        if admission.accepted:
+            self._accepted(admission.worker_id, request, session_id, now)
+        return admission
+
+    async def _choose(self, request: TokenizedRequest, session_id: str, now: float) -> tuple[str, str]:
+        if self.mode == "queue_group":
+            return "", "queue_group"
+        candidates = self.live.candidates(now)
+        if not candidates:
+            return "", "queue_group"
+        session_worker = ""
+        if session_id:
+            bound = self._sessions.get(session_id)
+            if bound is not None and bound[1] > now and any(c.worker_id == bound[0] for c in candidates):
+                session_worker = bound[0]
+        local_blocks, pool_blocks = None, 0
+        if self.mode == "cache_aware" and not session_worker and len(candidates) > 1:
+            if not request.block_hashes or not request.reuse:
+                local_blocks = {}
+            else:
+                reply = await self.pool.lookup(request.model_fingerprint, request.block_hashes,
+                                               include_workers=True, timeout_s=self.cfg.router_lookup_timeout_s)
+                if reply is not None and not reply.invalidated:
+                    local_blocks, pool_blocks = dict(reply.workers), reply.pool
+        self._rr += 1
+        choice = choose(candidates, RouteRequest(prompt_tokens=len(request.prompt_token_ids),
+                                                 block_size=request.block_size, session_worker=session_worker,
+                                                 local_blocks=local_blocks, pool_blocks=pool_blocks),
+                        self.knobs, self.mode, rr_counter=self._rr)
+        if choice is None:
+            return "", "queue_group"
+        log.debug("route %s -> %s (%s) costs=%s", request.request_id, choice.worker_id, choice.reason, choice.costs)
+        return choice.worker_id, choice.reason
+
+    def _accepted(self, worker_id: str, request: TokenizedRequest, session_id: str, now: float) -> None:
+        self.live.sent(worker_id, len(request.prompt_token_ids), time.time())
+        if session_id:
+            self._sessions[session_id] = (worker_id, now + self.cfg.router_session_ttl_s)
+            if len(self._sessions) > 100_000:  # bound memory: drop expired bindings
+                self._sessions = {k: v for k, v in self._sessions.items() if v[1] > now}
+
+    async def _ask(self, subject: str, request: TokenizedRequest, headers: dict | None) -> Admission | None:
+        """The worker's admission; None when nobody listens on `subject`."""
+        try:
+            reply = await self.nc.request(subject, request.encode(), timeout=self.worker_timeout_s,
+                                          headers=headers or None)
+        except NoRespondersError:
+            return None
+        except NatsTimeoutError:
+            return Admission(accepted=False, error=ErrorInfo(
+                code="worker_timeout", message="No worker accepted the request in time"))
+        try:
+            return Admission.decode(reply.data)
+        except MessageError as exc:
+            log.error("worker sent an invalid admission: %s", exc)
+            return Admission(accepted=False, error=ErrorInfo(code="internal_error", message="invalid worker reply"))

@@ -1,0 +1,57 @@
+"""/metrics on every service shows its kite_* metrics changing as requests flow (issue 8)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.conftest import MODEL
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(url, timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name.startswith("kite_")}
+
+
+def total(samples: dict, name: str, **labels) -> float:
+    return sum(v for (n, lbls), v in samples.items()
+               if n == name and all(dict(lbls).get(k) == want for k, want in labels.items()))
+
+
+def test_every_service_exports_metrics_that_move_with_traffic(fresh_stack_factory):
+    stack = fresh_stack_factory(num_workers=1, metrics=True)
+    urls = {p.name: f"http://127.0.0.1:{p.metrics_port}/metrics" for p in stack.processes if p.metrics_port}
+    urls["gateway"] = stack.http_url + "/metrics"
+    assert set(urls) == {"gateway", "fingerprinter", "worker", "ru-pool", "arbitrator"}
+    before = {name: scrape(url) for name, url in urls.items()}
+    system = {"role": "system", "content": "Metrics test. " * 40}
+    for question in ("First question?", "Second question?"):
+        r = httpx.post(stack.http_url + "/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "temperature": 0, "max_tokens": 5,
+            "messages": [system, {"role": "user", "content": question}]})
+        assert r.status_code == 200, r.text
+
+    expectations = {
+        "gateway": [("kite_requests_total", {"endpoint": "/v1/chat/completions", "status": "200"}),
+                    ("kite_ttft_seconds_count", {}),
+                    ("kite_gateway_prompt_tokens_total", {"source": "reused"})],
+        "fingerprinter": [("kite_cf_compute_seconds_count", {}), ("kite_tokenize_seconds_count", {})],
+        "worker": [("kite_prompt_tokens_total", {"source": "computed"}),
+                   ("kite_prompt_tokens_total", {"source": "reused"}),
+                   ("kite_generated_tokens_total", {}), ("kite_worker_ttft_seconds_count", {})],
+        "ru-pool": [("kite_tier_bytes_total", {"tier": "hot"})],
+        "arbitrator": [("kite_arbitrator_messages_total", {"kind": "heartbeat"})],
+    }
+    deadline = time.monotonic() + 10  # worker and pool metrics are refreshed about once a second
+    while True:
+        after = {name: scrape(url) for name, url in urls.items()}
+        stuck = [(svc, name, labels) for svc, checks in expectations.items() for name, labels in checks
+                 if total(after[svc], name, **labels) <= total(before[svc], name, **labels)]
+        if not stuck or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert stuck == []
