@@ -107,7 +107,7 @@ DecisionKind = Literal["write_policy", "admission", "routing", "warm_capacity"]
 
 
 class Decision(Message):
-    """One arbitrator decision. `kind` says which fields matter and who applies it:
+    """One arbitrator decision. `action` says which fields matter and who applies it:
 
     write_policy   worker `target` (or "*")    write_policy
     admission      gateways                    admit, retry_after_s, predicted_ttft_s
@@ -118,7 +118,7 @@ class Decision(Message):
     KIND: ClassVar[str] = "arbitrator_decision"
     schema_version: int = TELEMETRY_SCHEMA
     decision_id: str
-    kind: DecisionKind
+    action: DecisionKind  # ("kind" is the message envelope's tag)
     target: str = "*"
     reason: str  # why, in words (rule name and the signals that matched)
     rule: str = ""  # name of the rule, "safe_policy", "default" or "admin"

@@ -19,7 +19,7 @@ NUM_REQUESTS = 200
 # The worker-local cache is what legitimately grows with distinct prompts; a small budget makes the RSS
 # bound below meaningful (anything else growing per request would be a leak).
 CACHE_BYTES = 64 * 1024 * 1024
-RSS_GROWTH_LIMIT_BYTES = 400 * 1024 * 1024
+RSS_GROWTH_LIMIT_BYTES = 256 * 1024 * 1024
 
 
 def _rss_bytes(pid: int) -> int:

@@ -45,8 +45,8 @@ def kinds(decisions: list[Decision]) -> list[tuple]:
     out = []
     for d in decisions:
         value = {"write_policy": d.write_policy, "admission": d.admit, "routing": d.weights and
-                 (d.weights.affinity, d.weights.load), "warm_capacity": d.standby}[d.kind]
-        out.append((d.kind, d.target, value))
+                 (d.weights.affinity, d.weights.load), "warm_capacity": d.standby}[d.action]
+        out.append((d.action, d.target, value))
     return out
 
 
@@ -64,12 +64,12 @@ def test_admission_sheds_when_predicted_ttft_exceeds_slo_and_reopens_after_hold(
     c.observe(wt("w1"), 0.0)
     c.evaluate(0.0)
     c.observe(wt("w1", prefill_backlog_tokens=5000), 2.0)  # 5 s predicted > 2 s SLO
-    shed = [d for d in c.evaluate(2.0) if d.kind == "admission"]
+    shed = [d for d in c.evaluate(2.0) if d.action == "admission"]
     assert len(shed) == 1 and not shed[0].admit and shed[0].retry_after_s == 2
     assert "rule shed" in shed[0].reason and "ttft_over_slo=2.5 > 1" in shed[0].reason
     c.observe(wt("w1"), 2.5)  # backlog gone within the hold: stays shed
-    assert [d for d in c.evaluate(2.5) if d.kind == "admission"] == []
-    reopened = [d for d in c.evaluate(3.1) if d.kind == "admission"]
+    assert [d for d in c.evaluate(2.5) if d.action == "admission"] == []
+    reopened = [d for d in c.evaluate(3.1) if d.action == "admission"]
     assert len(reopened) == 1 and reopened[0].admit and "no rule matched" in reopened[0].reason
 
 
@@ -80,7 +80,7 @@ def test_hysteresis_min_hold():
     for t in (10.0, 10.5, 11.0, 14.9):  # flapping signal inside the hold
         c.observe(wt("w1", prefill_backlog_tokens=5000 if t in (10.0, 11.0) else 0), t)
         c.evaluate(t)
-    changes = [e for e in c.take_log() if e["event"] == "decision" and e["kind"] == "admission"]
+    changes = [e for e in c.take_log() if e["event"] == "decision" and e["action"] == "admission"]
     assert [e["to"] for e in changes] == ["open", "shed"]  # no flip back within 5 s
 
 
@@ -89,7 +89,7 @@ def test_worker_write_policy_by_memory_pressure():
     c.observe(wt("w1", memory_used_fraction=0.5), 0.0)
     c.observe(wt("w2", memory_used_fraction=0.9), 0.0)
     c.observe(wt("w3", memory_used_fraction=0.97), 0.0)
-    got = {d.target: d.write_policy for d in c.evaluate(0.0) if d.kind == "write_policy"}
+    got = {d.target: d.write_policy for d in c.evaluate(0.0) if d.action == "write_policy"}
     assert got == {"w1": "write_through", "w2": "selective", "w3": "off"}
 
 
@@ -97,7 +97,7 @@ def test_routing_weights_follow_queues():
     c = core(min_hold_s=0.0)
     c.observe(wt("w1", queue_depth=3, num_running=4), 0.0)
     c.observe(wt("w2", queue_depth=4, num_running=4), 0.0)
-    routing = [d for d in c.evaluate(0.0) if d.kind == "routing"]
+    routing = [d for d in c.evaluate(0.0) if d.action == "routing"]
     assert (routing[0].weights.affinity, routing[0].weights.load) == (0.5, 2.0)
 
 
@@ -105,12 +105,12 @@ def test_standby_activated_when_busy_once():
     c = core()
     c.observe(wt("w1", num_running=4, queue_depth=2), 0.0)
     c.observe(wt("w2", standby=True), 0.0)
-    warm = [d for d in c.evaluate(0.0) if d.kind == "warm_capacity"]
+    warm = [d for d in c.evaluate(0.0) if d.action == "warm_capacity"]
     assert [(d.target, d.standby) for d in warm] == [("w2", False)]
     assert "rule activate" in warm[0].reason
     # its telemetry still says standby (decision in flight): not activated twice
     c.observe(wt("w2", standby=True), 0.2)
-    assert [d for d in c.evaluate(0.2) if d.kind == "warm_capacity"] == []
+    assert [d for d in c.evaluate(0.2) if d.action == "warm_capacity"] == []
     c.observe(wt("w2", activation_decision_id=warm[0].decision_id, activation_latency_s=0.12), 0.5)
     assert c.activation_latencies == {"w2": 0.12}
 
@@ -121,12 +121,12 @@ def test_scale_in_after_idle_for_s_never_below_min_active():
     for t in range(0, 12):
         c.observe(wt("w1", requests_accepted=5), float(t))
         c.observe(wt("w2", requests_accepted=1), float(t))
-        decisions += [(t, d) for d in c.evaluate(float(t)) if d.kind == "warm_capacity"]
+        decisions += [(t, d) for d in c.evaluate(float(t)) if d.action == "warm_capacity"]
     assert [(t, d.target, d.standby) for t, d in decisions] == [(10, "w2", True)]
     assert "for 10 s" in decisions[0][1].reason
     c.observe(wt("w2", standby=True), 12.0)
     c.observe(wt("w1"), 12.0)
-    assert [d for d in c.evaluate(30.0) if d.kind == "warm_capacity"] == []  # only 1 active left
+    assert [d for d in c.evaluate(30.0) if d.action == "warm_capacity"] == []  # only 1 active left
 
 
 def test_stale_telemetry_falls_back_to_safe_policy_once_and_recovers():
@@ -154,7 +154,7 @@ def test_admin_routing_mode_override_bypasses_hold():
     c = core(min_hold_s=60)
     c.observe(wt("w1"), 0.0)
     c.evaluate(0.0)
-    d = [x for x in c.set_routing_mode("round_robin", 0.1) if x.kind == "routing"]
+    d = [x for x in c.set_routing_mode("round_robin", 0.1) if x.action == "routing"]
     assert d and d[0].routing_mode == "round_robin" and d[0].rule == "admin"
 
 
@@ -205,10 +205,10 @@ def test_default_rules_file_is_valid_and_documented():
 def test_rules_reload_replaces_rules_and_bad_file_keeps_previous(tmp_path):
     c = core()
     c.observe(wt("w1", prefill_backlog_tokens=5000), 0.0)
-    assert not [d for d in c.evaluate(0.0) if d.kind == "admission"][0].admit
+    assert not [d for d in c.evaluate(0.0) if d.action == "admission"][0].admit
     rules, version = parse_rules("rules: []")
     c.set_rules(rules, version, 2.0)
-    assert [d for d in c.evaluate(2.0) if d.kind == "admission"][0].admit
+    assert [d for d in c.evaluate(2.0) if d.action == "admission"][0].admit
     with pytest.raises(RulesError):
         parse_rules("rules: [{name: x}]")
     assert c.rules_version == version

@@ -257,7 +257,7 @@ class ArbitratorCore:
         return f"rule {rule.name} (priority {rule.priority}): {held}"
 
     def _decision(self, kind: str, target: str, values: dict, reason: str, rule: str, now: float) -> Decision:
-        return Decision(decision_id=f"{self._nonce}-{next(self._ids)}", kind=kind, target=target,
+        return Decision(decision_id=f"{self._nonce}-{next(self._ids)}", action=kind, target=target,
                         reason=reason, rule=rule, issued_at=now, **values)
 
     _COMPARED = {"write_policy": ("write_policy",), "admission": ("admit", "retry_after_s"),
@@ -285,8 +285,8 @@ class ArbitratorCore:
             return {"write_policy": x.write_policy, "admission": "open" if x.admit else "shed",
                     "routing": {"weights": x.weights.model_dump() if x.weights else None,
                                 "mode": x.routing_mode or "setting"},
-                    "warm_capacity": "standby" if x.standby else "active"}[x.kind]
-        return {"decision_id": d.decision_id, "kind": d.kind, "target": d.target, "rule": d.rule,
+                    "warm_capacity": "standby" if x.standby else "active"}[x.action]
+        return {"decision_id": d.decision_id, "action": d.action, "target": d.target, "rule": d.rule,
                 "reason": d.reason, "from": value(prev), "to": value(d)}
 
     def _log(self, now: float, event: str, **fields) -> None:
@@ -297,4 +297,4 @@ class ArbitratorCore:
         return entries
 
     def current_decisions(self) -> list[Decision]:
-        return [d for d, _ in self.current.values() if d.kind != "warm_capacity"]
+        return [d for d, _ in self.current.values() if d.action != "warm_capacity"]

@@ -128,7 +128,7 @@ class Router:
         except MessageError as exc:
             log.warning("bad decision: %s", exc)
             return
-        if d.kind != "routing":
+        if d.action != "routing":
             return
         if d.weights is not None:
             knobs = RoutingKnobs(affinity_weight=d.weights.affinity, load_weight=d.weights.load,

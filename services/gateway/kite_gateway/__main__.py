@@ -13,6 +13,7 @@ from kite_shared.config import GatewayConfig, load
 from kite_shared.messages import Heartbeat, MessageError
 from kite_shared.service import ServiceRuntime, run_service
 from kite_gateway.auth import Authenticator
+from kite_gateway.control import GatewayControl
 from kite_gateway.fleet import Fleet
 from kite_gateway.generation import GenerationClient
 from kite_gateway.http_api import create_app
@@ -35,6 +36,11 @@ async def start_gateway(rt: ServiceRuntime, cfg: GatewayConfig) -> GenerationCli
                               stream_idle_timeout_s=cfg.stream_idle_timeout_s,
                               max_migrations=cfg.max_migrations,
                               first_event_timeout_s=cfg.first_event_timeout_s)
+    # issue 5: telemetry (request and error rates) and the arbitrator's admission decisions
+    control = GatewayControl(rt.nc, rt.instance_id, cfg.telemetry_interval_s, cfg.telemetry_window_s)
+    client.admission = control.gate
+    client.control = control  # read by the HTTP middleware
+    await control.start()
 
     authenticator = Authenticator.from_config(cfg)
     if not authenticator.enabled:

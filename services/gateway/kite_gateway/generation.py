@@ -70,6 +70,7 @@ class GenerationParams:
     prompt_token_ids: list[int] | None = None
     reuse: bool = True
     cache_salt: str = ""
+    session_id: str = ""  # routing affinity (issue 5)
 
 
 @dataclass
@@ -214,8 +215,11 @@ class GenerationClient:
     # KITE_GATEWAY_FIRST_EVENT_TIMEOUT_S: a request queued at a live worker legitimately waits longer than
     # the idle timeout allows between events; None = the idle timeout.
     first_event_timeout_s: float | None = None
+    admission: object | None = None  # control.AdmissionGate (issue 5): early 503 while the arbitrator sheds
 
     async def open(self, params: GenerationParams) -> Generation:
+        if self.admission is not None:
+            self.admission.check()  # raises ApiError 503 + Retry-After before anything is sent
         span = tracer().start_span("kite.gateway.generate", kind=SpanKind.CLIENT,
                                    attributes={"kite.model": params.model})
         try:
@@ -241,7 +245,7 @@ class GenerationClient:
         request = GenerateRequest(
             request_id=request_id, model=params.model, messages=params.messages, prompt=params.prompt,
             prompt_token_ids=params.prompt_token_ids, sampling=params.sampling, reuse=params.reuse,
-            cache_salt=params.cache_salt, stream_subject=stream_subject,
+            cache_salt=params.cache_salt, stream_subject=stream_subject, session_id=params.session_id,
             resume_token_ids=resume_token_ids or [])
         try:
             reply = await self.nc.request(subjects.FINGERPRINT, request.encode(),

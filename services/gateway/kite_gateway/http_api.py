@@ -112,6 +112,9 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
         else:
             response = await call_next(request)
         REQUESTS.labels(request.url.path, str(response.status_code)).inc()
+        control = getattr(client(), "control", None)  # issue 5: request and error rates for telemetry
+        if control is not None:
+            control.stats.observe(request.url.path, response.status_code)
         return response
 
     async def parse(request: Request, model: type) -> object:
@@ -171,7 +174,8 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
         body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)  # type: ignore[assignment]
         params = GenerationParams(model=body.model, sampling=body.sampling(body.resolved_max_tokens),
                                   messages=[m.to_message() for m in body.messages], reuse=body.kite.reuse,
-                                  cache_salt=tenant_cache_salt(tenant, body.cache_salt))
+                                  cache_salt=tenant_cache_salt(tenant, body.cache_salt),
+                                  session_id=body.kite.session_id)
         started = time.monotonic()
         generations = await gather_open(client(), [params] * body.n)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -200,7 +204,8 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
             text, ids = (p, None) if isinstance(p, str) else (None, list(p))
             params += [GenerationParams(model=body.model, sampling=body.sampling(body.max_tokens), prompt=text,
                                         prompt_token_ids=ids, reuse=body.kite.reuse,
-                                        cache_salt=tenant_cache_salt(tenant, body.cache_salt))] * body.n
+                                        cache_salt=tenant_cache_salt(tenant, body.cache_salt),
+                                        session_id=body.kite.session_id)] * body.n
         started = time.monotonic()
         generations = await gather_open(client(), params)
         response_id = f"cmpl-{uuid.uuid4().hex}"

@@ -7,6 +7,7 @@ with a clear 400 instead of being silently ignored.
 Extension fields (send them with the openai client's `extra_body`):
     kite: {"reuse": false}   compute this request without Upcycle reuse (for comparisons)
     kite: {"ignore_eos": true}  keep generating past end-of-sequence, up to max_tokens
+    kite: {"session_id": "..."} route the requests of one conversation to the same worker (its KV is there)
     cache_salt: str          narrows KV sharing to requests carrying the same salt
 """
 
@@ -35,6 +36,7 @@ class StreamOptions(_Body):
 class KiteOptions(_Body):
     reuse: bool = True
     ignore_eos: bool = False  # generate exactly max_tokens tokens (benchmarks, tests)
+    session_id: str = Field(default="", max_length=256)  # requests of one session go to one worker
 
 
 class TextPart(_Body):

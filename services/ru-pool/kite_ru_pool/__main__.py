@@ -20,6 +20,7 @@ async def setup(rt: ServiceRuntime) -> None:
         start_http_server(cfg.metrics_port)
         log.info("metrics on :%d/metrics", cfg.metrics_port)
     pool = PoolService(cfg, tier_cfg, rt.nc)
+    pool.instance_id = rt.instance_id  # names its telemetry
     await pool.start()
     rt.on_drain(pool.stop)
 

@@ -88,6 +88,10 @@ class PoolService:
         self.rebuilding = True
         self._spawn(self._rebuild(), "index rebuild")
         self._loops.append(asyncio.create_task(self._sweep_loop()))
+        # issue 5: tier health, fill and hit rates for the arbitrator, every KITE_TELEMETRY_INTERVAL_S
+        from kite_ru_pool.telemetry import publish_loop
+        self._loops.append(asyncio.create_task(publish_loop(self, getattr(self, "instance_id", "ru-pool"),
+                                                            self.cfg.telemetry_interval_s)))
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Stop taking work, let background writes finish (bounded), close the tier clients."""

@@ -181,11 +181,11 @@ class WorkerControl:
             return
         if d.target not in ("*", self.rt.instance_id):
             return
-        if d.kind == "write_policy" and d.write_policy and d.write_policy != self.writes.policy:
+        if d.action == "write_policy" and d.write_policy and d.write_policy != self.writes.policy:
             log.info("write policy %s -> %s (decision %s: %s)", self.writes.policy, d.write_policy,
                      d.decision_id, d.reason)
             self.writes.set_policy(d.write_policy)
-        elif d.kind == "warm_capacity" and d.standby is not None and d.standby != self.standby \
+        elif d.action == "warm_capacity" and d.standby is not None and d.standby != self.standby \
                 and not d.refresh and not self.rt.draining:
             if d.standby:
                 log.info("scale-in to standby (decision %s: %s)", d.decision_id, d.reason)

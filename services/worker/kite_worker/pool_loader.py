@@ -28,7 +28,7 @@ import torch
 
 from kite_shared import recyclable_unit
 from kite_shared.fingerprint import BlockHash
-from kite_shared.recyclable_unit import RUError
+from kite_shared.recyclable_unit import RecyclableUnit, RUError
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +124,10 @@ class PoolLoader:
         self.num_blocks_loaded += len(loaded)
         return loaded
 
-    async def _fetch(self, hashes: list[BlockHash], letters: bytes) -> list[bytes | None]:
-        """Encoded units in order (None where one could not be had), fetched concurrently per tier."""
-        results: list[bytes | None] = [None] * len(hashes)
+    async def _fetch(self, hashes: list[BlockHash], letters: bytes) -> list[bytes | RecyclableUnit | None]:
+        """Units in order, fetched concurrently per tier: encoded bytes from the pool (to verify here),
+        decoded units from direct tier reads (verified by the tier client), None where none could be had."""
+        results: list[bytes | RecyclableUnit | None] = [None] * len(hashes)
         from_pool = [i for i, c in enumerate(letters) if c == ord("h") or self.tier_client is None]
         direct = [i for i in range(len(hashes)) if i not in set(from_pool)]
 
@@ -141,25 +142,29 @@ class PoolLoader:
 
         async def one_direct(i: int) -> None:
             started = time.perf_counter()
-            found = await self.tier_client.fetch(self.model_fingerprint, bytes(hashes[i]),
-                                                 tiers="wc" if letters[i] == ord("w") else "c")
+            found = await self.tier_client.fetch_unit(self.model_fingerprint, bytes(hashes[i]),
+                                                      tiers="wc" if letters[i] == ord("w") else "c")
             if found is not None:
-                results[i] = found[0]
-                self.cost.tiers[found[1]].observe(time.perf_counter() - started, len(found[0]))
+                unit, data, letter = found
+                results[i] = unit
+                self.cost.tiers[letter].observe(time.perf_counter() - started, len(data))
 
         await asyncio.gather(via_pool(), *(one_direct(i) for i in direct))
         return results
 
-    def _to_tensor(self, block_hash: BlockHash, data: bytes | None) -> torch.Tensor | None:
-        if data is None:
+    def _to_tensor(self, block_hash: BlockHash, found: bytes | RecyclableUnit | None) -> torch.Tensor | None:
+        if found is None:
             return None
-        try:
-            unit = recyclable_unit.decode(data, expected_hash=bytes(block_hash),
-                                          expected_model=self.model_fingerprint, key=self.mac_key)
-        except RUError as exc:
-            self.num_rejected += 1
-            log.warning("pool block %s rejected: %s", bytes(block_hash).hex()[:16], exc)
-            return None
+        if isinstance(found, RecyclableUnit):
+            unit = found
+        else:  # crossed NATS from the pool: verify here
+            try:
+                unit = recyclable_unit.decode(found, expected_hash=bytes(block_hash),
+                                              expected_model=self.model_fingerprint, key=self.mac_key)
+            except RUError as exc:
+                self.num_rejected += 1
+                log.warning("pool block %s rejected: %s", bytes(block_hash).hex()[:16], exc)
+                return None
         if tuple(unit.shape) != tuple(self.block_shape):
             self.num_rejected += 1
             log.warning("pool block %s has shape %s, this worker needs %s", bytes(block_hash).hex()[:16],

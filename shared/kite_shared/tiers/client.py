@@ -13,6 +13,7 @@ import logging
 from typing import Sequence
 
 from kite_shared import security
+from kite_shared import recyclable_unit
 from kite_shared.config import TierConfig
 from kite_shared.tiers.base import RemoteTier
 from kite_shared.tiers.cold import LocalDirTier, S3Tier
@@ -69,13 +70,19 @@ class TierClient:
     async def fetch(self, model_fingerprint: str, block_hash: bytes,
                     tiers: str = "wc") -> tuple[bytes, str] | None:
         """Verified encoded unit and the tier letter it came from ("w" or "c"), trying `tiers` in order."""
+        found = await self.fetch_unit(model_fingerprint, block_hash, tiers)
+        return None if found is None else (found[1], found[2])
+
+    async def fetch_unit(self, model_fingerprint: str, block_hash: bytes, tiers: str = "wc"
+                         ) -> tuple[recyclable_unit.RecyclableUnit, bytes, str] | None:
+        """Like `fetch`, with the decoded unit too (already verified: callers need not decode again)."""
         for letter in tiers:
             tier = self.warm if letter == "w" else self.cold if letter == "c" else None
             if tier is None:
                 continue
-            data = await tier.get_verified(model_fingerprint, block_hash)
-            if data is not None:
-                return data, letter
+            found = await tier.get_unit(model_fingerprint, block_hash)
+            if found is not None:
+                return found[0], found[1], letter
         return None
 
     async def fetch_chain(self, model_fingerprint: str, block_hashes: Sequence[bytes],

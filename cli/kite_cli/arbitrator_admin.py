@@ -1,0 +1,45 @@
+"""Talk to the arbitrator's admin subject (kite.v1.arbitrator.admin): status, reload, routing mode.
+
+    python -m kite_cli.arbitrator_admin [--nats URL] status | reload | routing-mode MODE
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import nats
+
+from kite_shared import subjects
+from kite_shared.telemetry import ArbitratorAdminReply, ArbitratorAdminRequest
+
+
+async def admin_request(nats_url: str, op: str, routing_mode: str = "", timeout_s: float = 5.0) -> ArbitratorAdminReply:
+    nc = await nats.connect(nats_url)
+    try:
+        msg = await nc.request(subjects.ARBITRATOR_ADMIN,
+                               ArbitratorAdminRequest(op=op, routing_mode=routing_mode).encode(), timeout=timeout_s)
+        return ArbitratorAdminReply.decode(msg.data)
+    finally:
+        await nc.close()
+
+
+def admin(nats_url: str, op: str, routing_mode: str = "", timeout_s: float = 5.0) -> ArbitratorAdminReply:
+    """Blocking form, for scripts and tests."""
+    return asyncio.run(admin_request(nats_url, op, routing_mode, timeout_s))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nats", default="nats://127.0.0.1:4222")
+    parser.add_argument("op", choices=["status", "reload", "routing-mode"])
+    parser.add_argument("mode", nargs="?", default="")
+    args = parser.parse_args()
+    op = "set_routing_mode" if args.op == "routing-mode" else args.op
+    reply = admin(args.nats, op, args.mode)
+    print(json.dumps(reply.model_dump(mode="json"), indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

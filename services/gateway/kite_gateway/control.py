@@ -1,0 +1,113 @@
+"""The gateway's control plane (issue 5): request/error rates out, admission decisions in.
+
+- `RequestStats` counts API answers (HTTP middleware) over KITE_TELEMETRY_WINDOW_S; `GatewayControl`
+  publishes them as telemetry.GatewayTelemetry every KITE_TELEMETRY_INTERVAL_S.
+- `AdmissionGate` holds the arbitrator's latest `admission` decision. While it says shed (predicted time to
+  first token above the SLO), `GenerationClient.open` refuses new generations at once with 503
+  `overloaded` and the decision's Retry-After, before anything is sent to a fingerprinter or worker.
+  A migration (already-admitted stream) is never refused. No arbitrator -> always open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from prometheus_client import Counter
+
+from kite_shared import subjects
+from kite_shared.messages import MessageError
+from kite_shared.telemetry import Decision, GatewayTelemetry
+from kite_gateway.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+REJECTED = Counter("kite_gateway_admission_rejected_total", "Requests refused early by admission control")
+_UNCOUNTED_PATHS = ("/health", "/metrics")
+
+
+class RequestStats:
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._events: deque[tuple[float, bool]] = deque()  # (monotonic, error)
+        self._rejects: deque[float] = deque()
+
+    def observe(self, path: str, status: int, now: float | None = None) -> None:
+        if path in _UNCOUNTED_PATHS:
+            return
+        self._events.append((time.monotonic() if now is None else now, status >= 500))
+
+    def rejected(self, now: float | None = None) -> None:
+        self._rejects.append(time.monotonic() if now is None else now)
+
+    def rates(self, now: float | None = None) -> tuple[float, float, float]:
+        """(requests per second, error fraction, rejected fraction) over the window."""
+        now = time.monotonic() if now is None else now
+        while self._events and now - self._events[0][0] > self.window_s:
+            self._events.popleft()
+        while self._rejects and now - self._rejects[0] > self.window_s:
+            self._rejects.popleft()
+        n = len(self._events)
+        if not n:
+            return 0.0, 0.0, 0.0
+        errors = sum(1 for _, e in self._events if e)
+        return n / self.window_s, errors / n, min(1.0, len(self._rejects) / n)
+
+
+class AdmissionGate:
+    def __init__(self, stats: RequestStats | None = None) -> None:
+        self.decision: Decision | None = None
+        self.stats = stats
+
+    def apply(self, d: Decision) -> None:
+        if self.decision is None or d.admit != self.decision.admit:
+            log.info("admission %s (decision %s: %s)", "open" if d.admit else "shed", d.decision_id, d.reason)
+        self.decision = d
+
+    def check(self) -> None:
+        d = self.decision
+        if d is not None and not d.admit:
+            REJECTED.inc()
+            if self.stats is not None:
+                self.stats.rejected()
+            raise ApiError(503, f"Overloaded: the predicted time to first token ({d.predicted_ttft_s:.1f} s) "
+                                "exceeds the service objective; retry later", type="service_unavailable",
+                           code="overloaded", retry_after_s=max(1, d.retry_after_s))
+
+
+class GatewayControl:
+    def __init__(self, nc: NATS, instance_id: str, interval_s: float, window_s: float) -> None:
+        self.nc = nc
+        self.instance_id = instance_id
+        self.interval_s = interval_s
+        self.stats = RequestStats(window_s)
+        self.gate = AdmissionGate(self.stats)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.nc.subscribe(subjects.DECISIONS, cb=self._on_decision)
+        self._task = asyncio.create_task(self._loop())
+
+    async def _on_decision(self, msg: Msg) -> None:
+        try:
+            d = Decision.decode(msg.data)
+        except MessageError as exc:
+            log.warning("bad decision: %s", exc)
+            return
+        if d.action == "admission":
+            self.gate.apply(d)
+
+    async def _loop(self) -> None:
+        while True:
+            rate, errors, rejected = self.stats.rates()
+            t = GatewayTelemetry(instance_id=self.instance_id, request_rate=round(rate, 3),
+                                 error_rate=round(errors, 4), rejected_rate=round(rejected, 4))
+            try:
+                await self.nc.publish(subjects.telemetry("gateway"), t.encode())
+            except Exception as exc:
+                log.debug("telemetry not sent: %s", exc)
+            await asyncio.sleep(self.interval_s)
