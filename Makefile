@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kite-installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test bench-reuse bench-cf proto config-doc clean
+.PHONY: install run test bench-reuse bench-cf bench-routing proto config-doc clean
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,6 +29,9 @@ bench-reuse: install
 
 bench-cf: install
 	$(PY) bench/bench_fingerprint.py
+
+bench-routing: install
+	$(PY) bench/bench_routing.py
 
 proto: install
 	PYTHON=$(PY) bash proto/generate.sh

@@ -52,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         from kite_cli import pool_admin
 
         return pool_admin.main(argv[1:])
+    if argv[:1] == ["keys"]:
+        from kite_cli import keys
+
+        return keys.main(argv[1:])
     if argv[:1] == ["bench"]:
         from kite_cli import bench
 
@@ -65,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--workers", type=int, default=1)
     run.set_defaults(func=_run)
     sub.add_parser("pool", help="ru-pool administration (stats, clear, pin, unpin, purge)", add_help=False)
+    sub.add_parser("keys", help="API keys: `kite keys new TENANT`, `kite keys hash [KEY]`", add_help=False)
     sub.add_parser("bench", help="benchmark KITE against peers (see docs/benchmarks.md)", add_help=False)
     args = parser.parse_args(argv)
     return args.func(args)

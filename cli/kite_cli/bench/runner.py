@@ -239,8 +239,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,4",
                    help="comma-separated client concurrency levels for KITE (peers run at 1); default 1,4")
     p.add_argument("--output-tokens", type=int, default=16, help="max output tokens per request (default 16)")
-    p.add_argument("--requests", type=int, default=12,
-                   help="requests of system-prompt, rag-shuffle and unique (default 12)")
+    p.add_argument("--requests", type=int, default=8,
+                   help="requests of system-prompt, rag-shuffle and unique (default 8)")
     p.add_argument("--shared-tokens", type=int, default=1000, help="system-prompt: shared prompt length (1000)")
     p.add_argument("--question-tokens", type=int, default=24, help="question length (24)")
     p.add_argument("--sessions", type=int, default=4, help="multi-turn: sessions (4)")

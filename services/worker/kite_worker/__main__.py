@@ -238,6 +238,8 @@ class WorkerService:
                     span.set_attribute("kite.completion_tokens", message.usage.completion_tokens)
                 span.end()
         data = message.encode()
+        if isinstance(message, (StreamEnd, StreamError)):  # issue 5: routers see the freed slot before
+            self.loop.call_soon_threadsafe(self.control.publish_soon)  # the client can send its next turn
         self.loop.call_soon_threadsafe(self._events.put_nowait, (subject, data))
 
     async def _publish_events(self) -> None:
