@@ -172,13 +172,13 @@ def test_standby_worker_is_activated_under_load_and_takes_traffic(fresh_stack_fa
         assert r.status_code == 200 and r.headers["X-Kite-Worker"] == "worker-1"
     results = _flood(stack.http_url, 6, 400)  # more than 4 running slots: utilization >= 1
     assert all(s in (200, 503) for s, _, _ in results)
-    status = wait_for(lambda: (lambda s: s if "worker-2" in s.activation_latencies else None)(
+    status = wait_for(lambda: (lambda s: s if "worker-2" in s.activation_latencies_s else None)(
         admin(stack.nats.url, "status")), 60, "the activation to be measured")
     served = [h.get("x-kite-worker") for s, _, h in results if s == 200]
     later = {chat(stack.http_url, [{"role": "user", "content": f"Topic {i}."}], session_id=f"s{i}")
              .headers["X-Kite-Worker"] for i in range(6)}
     print(f"activation latency (decision -> first accepted request): "
-          f"{1000 * status.activation_latencies['worker-2']:.0f} ms; flood served by {served}; later {later}")
+          f"{1000 * status.activation_latencies_s['worker-2']:.0f} ms; flood served by {served}; later {later}")
     assert "worker-2" in set(served) | later
     log = (stack.log_dir / "arbitrator.log").read_text()
     assert "activate-standby-when-busy" in log

@@ -27,8 +27,8 @@ SUMMARY_COLUMNS = (
     ("system", "system"), ("conc.", "concurrency"), ("req", "requests"), ("err", "errors"),
     ("TTFT p50 (s)", "ttft_p50"), ("TTFT p99 (s)", "ttft_p99"), ("TPOT p50 (s)", "tpot_p50"),
     ("E2E p50 (s)", "e2e_p50"), ("E2E p99 (s)", "e2e_p99"), ("req/s", "requests_per_s"),
-    ("out tok/s", "output_tokens_per_s"), ("prompt tok", "prompt_tokens"),
-    ("computed", "prompt_tokens_computed"), ("reused", "prompt_tokens_reused"), ("hit rate", "hit_rate"),
+    ("out tok/s", "output_tokens_per_s"), ("retried 503", "retries"), ("prompt tok", "prompt_tokens"),
+    ("computed", "prompt_tokens_computed"), ("reused", "prompt_tokens_reused"), ("hit rate", "hit_rate"), ("load avg (1 min)", "load_1min"),
 )
 
 
@@ -41,6 +41,8 @@ def summary_table(runs: list[dict]) -> str:
         cells = []
         for _, key in SUMMARY_COLUMNS:
             v = run.get(key)
+            if key == "load_1min":
+                v = (run.get("load_average_after") or [None])[0]
             cells.append(fmt_pct(v) if key == "hit_rate" else fmt(v))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

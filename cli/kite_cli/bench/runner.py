@@ -65,7 +65,7 @@ def run_workload(call: SystemCall, workload: workloads.Workload, concurrency: in
                 out = Outcome(None, 0, 0, 0, "", f"{type(exc).__name__}: {exc}")
             end = time.perf_counter() - t0
             res = RequestResult(f"{session.session_id}/{t}", start, end, out.ttft, out.prompt_tokens,
-                                out.completion_tokens, out.cached_tokens, out.text, out.error)
+                                out.completion_tokens, out.cached_tokens, out.text, out.error, out.retries)
             with lock:
                 results.append(res)
                 if progress is not None:
@@ -99,6 +99,7 @@ def _progress(total: int, desc: str, enabled: bool):
 
 def run_entry(system: str, concurrency: int, results: list[RequestResult], wall: float, **extra) -> dict:
     s = summarize(results, wall)
+    extra.setdefault("load_average_after", load_average())
     return {"system": system, "concurrency": concurrency, **extra, **s.to_dict(),
             "hit_timeline": hit_rate_timeline(results), "raw": [r.to_dict() for r in results]}
 

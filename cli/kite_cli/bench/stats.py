@@ -19,6 +19,7 @@ class RequestResult:
     cached_tokens: int  # prompt tokens whose KV was reused (reported by the server, or estimated for peers)
     text: str = ""
     error: str | None = None
+    retries: int = 0  # 503 answers retried before this result
 
     @property
     def e2e(self) -> float:
@@ -77,6 +78,7 @@ class Summary:
     completion_tokens: int
     hit_rate: float | None  # reused / prompt tokens
     requests_with_hit: int
+    retries: int = 0
     error_messages: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -103,6 +105,7 @@ def summarize(results: list[RequestResult], wall_s: float) -> Summary:
         prompt_tokens=prompt, prompt_tokens_reused=reused, prompt_tokens_computed=prompt - reused,
         completion_tokens=completion, hit_rate=(reused / prompt) if prompt else None,
         requests_with_hit=sum(1 for r in ok if r.cached_tokens > 0),
+        retries=sum(r.retries for r in results),
         error_messages=sorted(set(errors))[:5])
 
 

@@ -33,22 +33,45 @@ class Outcome:
     cached_tokens: int
     text: str
     error: str | None = None
+    retries: int = 0  # 503 answers (overloaded) retried after their Retry-After
 
 
 class KiteSystem:
-    def __init__(self, url: str, reuse: bool, salt: str, timeout_s: float = 600.0, api_key: str | None = None) -> None:
+    def __init__(self, url: str, reuse: bool, salt: str, timeout_s: float = 600.0, api_key: str | None = None,
+                 max_retries: int = 30) -> None:
         self.url = url.rstrip("/")
         self.reuse = reuse
         self.salt = salt
         self.timeout_s = timeout_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.max_retries = max_retries
         self.model = served_model(self.url, self.headers)
 
     def __call__(self, messages: list[dict], max_tokens: int) -> Outcome:
+        """One request; a 503 (KITE's admission control: overloaded) is retried after its Retry-After, as a
+        well-behaved client would, and the times count from the first attempt."""
+        started = time.perf_counter()
+        retries = 0
+        while True:
+            out, retry_after = self._attempt(messages, max_tokens, started)
+            if retry_after is None or retries >= self.max_retries or \
+                    time.perf_counter() - started + retry_after > self.timeout_s:
+                out.retries = retries
+                return out
+            retries += 1
+            time.sleep(retry_after)
+
+    def _attempt(self, messages: list[dict], max_tokens: int, started: float) -> tuple[Outcome, float | None]:
+        meta: dict = {}
+        out = self._send(messages, max_tokens, started, meta)
+        if out.error and out.error.startswith("HTTP 503"):
+            return out, meta.get("retry_after", 1.0)
+        return out, None
+
+    def _send(self, messages: list[dict], max_tokens: int, started: float, meta: dict) -> Outcome:
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}, "kite": {"reuse": self.reuse},
                 "cache_salt": self.salt}
-        started = time.perf_counter()
         ttft = None
         parts: list[str] = []
         usage = None
@@ -57,6 +80,10 @@ class KiteSystem:
                               headers=self.headers, timeout=self.timeout_s) as response:
                 if response.status_code != 200:
                     response.read()
+                    try:
+                        meta["retry_after"] = max(0.1, float(response.headers.get("Retry-After", "1")))
+                    except ValueError:
+                        meta["retry_after"] = 1.0
                     return Outcome(None, 0, 0, 0, "", f"HTTP {response.status_code}: {response.text[:200]}")
                 for line in response.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
