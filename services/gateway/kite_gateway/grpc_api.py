@@ -27,6 +27,7 @@ from kite_shared.config import GatewayConfig
 from kite_shared.grpc_gen import kite_pb2, kite_pb2_grpc
 from kite_shared.messages import ChatMessage, SamplingParams, StreamEnd
 from kite_shared.security import tenant_cache_salt
+from kite_shared.service import tenant_var
 from kite_gateway.auth import Authenticator
 from kite_gateway.errors import ApiError
 from kite_gateway.generation import GenerationClient, GenerationParams
@@ -190,6 +191,7 @@ class KiteService(kite_pb2_grpc.KiteServicer):
 
     async def _generate(self, request: kite_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         tenant = self._tenant(context)
+        tenant_var.set(tenant)  # every log line of this call names the tenant (never the key)
         if isinstance(request, _Undecodable):
             raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, "the request is not a valid kite.v1.GenerateRequest "
                            "(malformed protobuf or invalid UTF-8 in a string field)", "invalid_request")

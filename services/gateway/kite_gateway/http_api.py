@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kite_shared.messages import StreamEnd, TokenChunk
 from kite_shared.security import tenant_cache_salt
+from kite_shared.service import tenant_var
 from kite_gateway.auth import Authenticator
 from kite_gateway.errors import ApiError
 from kite_gateway.generation import Generation, GenerationClient, GenerationParams, collect, gather_open
@@ -73,7 +74,9 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
 
     def tenant_of(request: Request) -> str:
         """The caller's tenant (ApiError 401 when auth is on and the Bearer key is missing or unknown)."""
-        return auth.tenant_for_authorization(request.headers.get("authorization"))
+        tenant = auth.tenant_for_authorization(request.headers.get("authorization"))
+        tenant_var.set(tenant)  # every log line of this request names the tenant (never the key)
+        return tenant
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
