@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kite-installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test bench-reuse bench-cf bench-routing proto config-doc clean
+.PHONY: install run test bench bench-reuse bench-cf bench-routing proto config-doc clean
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +23,9 @@ run: install
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: install
+	$(PY) -m kite_cli.main bench --workload system-prompt
 
 bench-reuse: install
 	$(PY) bench/bench_reuse_ttft.py

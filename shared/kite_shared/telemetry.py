@@ -77,7 +77,6 @@ class GatewayTelemetry(Telemetry):
     request_rate: float = 0.0  # API requests per second over the window
     error_rate: float = 0.0  # fraction of those answered >= 500 (early rejects included)
     rejected_rate: float = 0.0  # fraction rejected early by admission control
-    in_flight: int = 0
 
 
 _TELEMETRY_KINDS: dict[str, type[Telemetry]] = {

@@ -230,3 +230,16 @@ def test_decision_core_is_fast_enough_for_the_17_ms_budget():
         seconds.append(_time.perf_counter() - started)
     seconds.sort()
     assert seconds[int(0.99 * len(seconds))] < 0.017
+
+
+def test_activating_standby_capacity_instead_of_shedding():
+    rules, version = load_rules(None)  # the default rules: activation at half the SLO, shedding above it
+    c = ArbitratorCore(rules=rules, rules_version=version, ttft_slo_s=2.0)
+    c.observe(wt("w1", queue_depth=3, num_running=4, prefill_backlog_tokens=9000), 0.0)
+    c.observe(wt("w2", standby=True), 0.0)
+    got = kinds(c.evaluate(0.0))
+    assert ("warm_capacity", "w2", False) in got and ("admission", "*", True) in got
+    # without standby capacity the same load is shed
+    c2 = ArbitratorCore(rules=rules, rules_version=version, ttft_slo_s=2.0)
+    c2.observe(wt("w1", queue_depth=3, num_running=4, prefill_backlog_tokens=9000), 0.0)
+    assert ("admission", "*", False) in kinds(c2.evaluate(0.0))

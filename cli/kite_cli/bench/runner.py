@@ -253,8 +253,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=256, help="unique: prompt length (256)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--url", help="a running KITE gateway (default: start a local stack for the run)")
-    p.add_argument("--api-key", default=os.environ.get("KITE_API_KEY"),
-                   help="API key for a gateway with auth on (default: $KITE_API_KEY)")
+    # A client-side key, like any OpenAI client's: not a KITE service setting, so not in the registry.
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="API key for a gateway with auth on (default: $OPENAI_API_KEY)")
     p.add_argument("--pool-metrics-url", help="ru-pool Prometheus /metrics URL, for per-tier counters "
                    "(default with --url: none, reported as n/a)")
     p.add_argument("--workers", type=int, default=1, help="workers of the stack the bench starts (1)")

@@ -185,6 +185,14 @@ class ArbitratorCore:
         fleet_rules = self.rules.ordered("fleet")
         defaults = self.rules.defaults
 
+        # Warm capacity first: admission and routing then count a worker being activated (or put on
+        # standby) as it will be, so the arbitrator does not shed load it has just added capacity for.
+        out += self._warm_capacity(workers, fleet, fleet_rules, now)
+        if self._warm_pending:
+            workers = {wid: (t.model_copy(update={"standby": self._warm_pending[wid][0]})
+                             if wid in self._warm_pending else t) for wid, t in workers.items()}
+            fleet = self.fleet_signals(workers, gateways, pools)
+
         win = self._winner(fleet_rules, "admission", fleet, "*", now)
         admission = win[0].then.admission if win else defaults.admission
         retry = win[0].then.retry_after_s if win else defaults.retry_after_s
@@ -200,8 +208,6 @@ class ArbitratorCore:
                          else "admin override of the routing mode",
                          "admin" if force == ("routing", "*") else win[0].name if win else "default", now,
                          bypass_hold=was_stale or force == ("routing", "*"))
-
-        out += self._warm_capacity(workers, fleet, fleet_rules, now)
 
         worker_rules = self.rules.ordered("worker")
         for wid, t in sorted(workers.items()):
