@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
@@ -81,7 +82,8 @@ class CostModel:
 
 class PoolLoader:
     def __init__(self, pool, tier_client, cost: CostModel, model_fingerprint: str,
-                 block_shape: tuple[int, ...], storage_dtype: torch.dtype, mac_key: bytes | None) -> None:
+                 block_shape: tuple[int, ...], storage_dtype: torch.dtype, mac_key: bytes | None,
+                 staging_bytes: int = 64 << 20) -> None:
         self.pool = pool  # kite_shared.tiers.pool_client.PoolClient
         self.tier_client = tier_client  # kite_shared.tiers.client.TierClient | None
         self.cost = cost
@@ -89,16 +91,46 @@ class PoolLoader:
         self.block_shape = block_shape  # [layers, 2, kv_heads, block_size, head_dim]
         self.storage_dtype = storage_dtype
         self.mac_key = mac_key  # cluster RU key: a unit without a valid MAC is never loaded
+        self.staging_bytes = staging_bytes
+        self._staged: OrderedDict[BlockHash, torch.Tensor] = OrderedDict()
+        self._staged_bytes = 0
+        self._lock = asyncio.Lock()
         self.num_blocks_loaded = 0
         self.num_loads_timed_out = 0
         self.num_rejected = 0
 
     async def load(self, hashes: Seq[BlockHash], num_local: int) -> list[tuple[BlockHash, torch.Tensor]]:
         """Leading blocks after the first `num_local` (already in the worker cache) that the pool has and
-        that are cheaper to load than to compute; verified and ready to insert."""
-        missing = list(hashes[num_local:])
-        if not missing:
-            return []
+        that are cheaper to load than to compute; verified and ready to insert.
+
+        Loads run one at a time and loaded blocks stay staged (a small LRU) until the engine has them:
+        requests queued behind each other with the same prefix share one copy of its blocks instead of
+        each fetching and holding its own (200 queued requests would otherwise hold 200 copies)."""
+        async with self._lock:
+            missing = list(hashes[num_local:])
+            staged = []
+            for block_hash in missing:
+                tensor = self._staged.get(block_hash)
+                if tensor is None:
+                    break
+                self._staged.move_to_end(block_hash)
+                staged.append((block_hash, tensor))
+            fetched = await self._load_uncached(missing[len(staged):]) if len(staged) < len(missing) else []
+            for block_hash, tensor in fetched:
+                self._stage(block_hash, tensor)
+            return staged + fetched
+
+    def _stage(self, block_hash: BlockHash, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if size > self.staging_bytes:
+            return
+        self._staged[block_hash] = tensor
+        self._staged_bytes += size
+        while self._staged_bytes > self.staging_bytes:
+            _, old = self._staged.popitem(last=False)
+            self._staged_bytes -= old.numel() * old.element_size()
+
+    async def _load_uncached(self, missing: list[BlockHash]) -> list[tuple[BlockHash, torch.Tensor]]:
         lookup = await self.pool.lookup(self.model_fingerprint, [bytes(h) for h in missing],
                                         include_workers=False)
         if lookup is None or lookup.invalidated or lookup.pool == 0:
