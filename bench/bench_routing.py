@@ -62,9 +62,12 @@ async def _turn(client: httpx.AsyncClient, url: str, messages: list[dict], max_t
                 continue
             event = json.loads(line[6:])
             if event.get("choices"):
-                if first is None:
+                choice = event["choices"][0]
+                content = choice["delta"].get("content") or ""
+                # the first chunk only announces the role: the first token is the first content
+                if first is None and (content or choice.get("finish_reason")):
                     first = time.perf_counter() - started
-                text.append(event["choices"][0]["delta"].get("content") or "")
+                text.append(content)
             if event.get("usage"):
                 usage = event["usage"]
     return {"ttft": first, "text": "".join(text), "prompt": usage.get("prompt_tokens", 0),

@@ -232,9 +232,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KITE_ARBITRATOR_STALE_S", float, "3.0", ARBITRATOR,
             "Telemetry older than this is ignored; with no fresh worker telemetry the arbitrator "
             "falls back to the static safe policy (logged).", minimum=0.1),
-    Setting("KITE_ARBITRATOR_TTFT_SLO_S", float, "2.0", ARBITRATOR,
+    Setting("KITE_ARBITRATOR_TTFT_SLO_S", float, "10.0", ARBITRATOR,
             "Time-to-first-token objective; rules see predicted TTFT divided by it as "
-            "`ttft_over_slo`.", minimum=0.001),
+            "`ttft_over_slo`. The default suits the CPU worker (a 2,048-token prefill alone takes ~5 s); "
+            "set it to your SLO.", minimum=0.001),
     Setting("KITE_ARBITRATOR_EVAL_INTERVAL_S", float, "0.25", ARBITRATOR,
             "Seconds between periodic rule evaluations (telemetry also triggers one at once).",
             minimum=0.01),

@@ -20,6 +20,7 @@ The algorithm (starting points: Dynamo's KV router cost and SGLang's cache-aware
    `local(w)` is how many leading prompt blocks w's local cache holds (the ru-pool index's `workers` map,
    fed by the workers' BlockStored/BlockRemoved events); `pool` is how many the pool's tiers hold (a pool
    block still has to be fetched: Dynamo weights host-tier hits 0.75, so `pool_hit_weight` = 0.75);
+   A worker that does not read from the pool (KITE_WORKER_POOL_READ=off) gets no pool credit.
    `pending_blocks` is what this router sent to w since w's last telemetry (telemetry is ~1 s old, a burst
    must not all go to the same worker). affinity_weight = Dynamo's prefill_load_scale (1.0), load_weight
    1.0 (Dynamo adds decode blocks unweighted; llm-d weights prefix and load 1:1). The arbitrator may
@@ -44,6 +45,7 @@ class WorkerState:
     backlog_tokens: int = 0  # admitted prompt tokens not computed yet
     pending_tokens: int = 0  # prompt tokens this router sent since the worker's last telemetry
     pending_requests: int = 0
+    reads_pool: bool = True  # loads missing prefix blocks from the ru-pool (KITE_WORKER_POOL_READ)
 
     @property
     def requests(self) -> int:
@@ -90,7 +92,8 @@ def cost(w: WorkerState, req: RouteRequest, knobs: RoutingKnobs) -> float:
     bs = max(1, req.block_size)
     prompt_blocks = req.prompt_tokens / bs
     local = (req.local_blocks or {}).get(w.worker_id, 0)
-    credit = local + knobs.pool_hit_weight * max(req.pool_blocks - local, 0)
+    pool_weight = knobs.pool_hit_weight if w.reads_pool else 0.0  # a pool block helps only a reader
+    credit = local + pool_weight * max(req.pool_blocks - local, 0)
     prefill = max(prompt_blocks - credit, 0.0)
     load = (w.running_tokens + w.backlog_tokens + w.pending_tokens) / bs
     return knobs.affinity_weight * prefill + knobs.load_weight * load

@@ -58,6 +58,7 @@ class WorkerTelemetry(Telemetry):
     standby: bool = False  # model loaded but not taking traffic
     draining: bool = False
     write_policy: str = "write_through"  # the Upcycle write policy in force
+    pool_read: bool = True  # loads missing prefix blocks from the ru-pool (routing credits pool hits)
     requests_accepted: int = 0  # lifetime
     # warm capacity: the decision that activated this worker and decision -> first accepted request
     activation_decision_id: str = ""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 from prometheus_client import Histogram, start_http_server
 
 from kite_shared import model_store, subjects
