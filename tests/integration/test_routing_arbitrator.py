@@ -138,6 +138,9 @@ def test_overload_gives_fast_503s_not_timeouts(rules_stack):
     wait_for(lambda: chat(url, [{"role": "user", "content": "Ready?"}]).status_code == 200, 30, "admission open")
     with ThreadPoolExecutor(1) as background:
         flood = background.submit(_flood, url, 10, 1500)  # ~15,000 prompt tokens on one worker
+        # Probe once the flood has reached the worker and its telemetry the arbitrator (published every
+        # second): a probe sent before the flood would simply be first in an empty queue.
+        time.sleep(1.5)
         probes = []  # (status, seconds) of new requests while the backlog is there
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not flood.done():
