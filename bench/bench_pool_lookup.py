@@ -25,6 +25,8 @@ from pathlib import Path
 
 import nats
 
+from kite_shared.security import ru_key
+
 from kite_cli.local_servers import free_port, start_nats, start_redis, wait_for_port
 from kite_shared import subjects
 from kite_shared.messages import PoolAdminReply, PoolAdminRequest
@@ -45,7 +47,7 @@ def make_chain(fp: str, n: int) -> list[tuple[bytes, bytes]]:
         h = hashlib.sha256(parent + i.to_bytes(4, "big")).digest()
         unit = RecyclableUnit(block_hash=h, parent_hash=parent, model_fingerprint=fp, block_index=i,
                               num_tokens=16, codec="fp16", shape=SHAPE, payload=payload)
-        out.append((h, unit.encode()))
+        out.append((h, unit.encode(key=ru_key())))  # the pool refuses units without the cluster HMAC
         parent = h
     return out
 
