@@ -6,12 +6,18 @@ process (`python -m kite_ru_pool`). Blocks have SmolLM2-135M's geometry (30 laye
 dim 64, 16 tokens, fp16: 368,640 payload bytes).
 
     .venv/bin/python bench/bench_pool_lookup.py [--rate 1000] [--seconds 5] [--chain 128]
+        [--client-gc freeze|default] [--index-blocks N] [--sweep-interval S]
+
+Lookup latency is reported from send and from the scheduled send time, with this client's own loop lag
+and full GC passes, and the pool's loop lag (kite_pool_event_loop_lag_seconds) over the runs
+(docs/ru-pool.md, "The stalls (issue 4)").
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hashlib
 import os
 import signal
@@ -70,16 +76,61 @@ asyncio.run(main())
 """
 
 
+class LoopWatch:
+    """This process's own stalls while a run lasts: a 1 ms timer's lateness (event-loop lag) and the
+    full (generation 2) GC passes, which hold the loop like any other synchronous work."""
+
+    def __init__(self) -> None:
+        self.lag: list[float] = []
+        self.gen2: list[float] = []
+        self._gc_started = 0.0
+        self._task: asyncio.Task | None = None
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.gen2.append(time.perf_counter() - self._gc_started)
+
+    async def _probe(self) -> None:
+        while True:
+            due = time.perf_counter() + 0.001
+            await asyncio.sleep(0.001)
+            self.lag.append(max(0.0, time.perf_counter() - due))
+
+    def __enter__(self) -> "LoopWatch":
+        gc.callbacks.append(self._on_gc)
+        self._task = asyncio.create_task(self._probe())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._task.cancel()
+        gc.callbacks.remove(self._on_gc)
+
+    def summary(self) -> str:
+        gen2 = f"max {max(self.gen2) * 1e3:.1f} ms" if self.gen2 else "none"
+        return (f"client loop lag p99={pct(self.lag, 0.99) * 1e3:.3f} ms max={max(self.lag) * 1e3:.3f} ms, "
+                f"full GCs {len(self.gen2)} ({gen2})")
+
+
 async def bench_lookup(client: PoolClient, fp: str, hashes: list[bytes], rate: float, seconds: float,
                        echo: bool = False) -> None:
     """Open-loop lookups; with echo=True the same request goes to a do-nothing responder process
-    instead, which is the floor this machine's NATS + Python client put under any answer."""
-    latencies: list[float] = []
+    instead, which is the floor this machine's NATS + Python client put under any answer.
+
+    Latency is reported twice: from the moment a request was sent, and from the moment it was due by
+    the schedule; the second also counts the time a stalled client held a request back (coordinated
+    omission), so a client-side stall cannot hide. Finished requests are not kept (thousands of live
+    tasks would make the client's own full GC passes long and frequent)."""
+    sent: list[float] = []
+    due_lat: list[float] = []
     errors = 0
     from kite_shared.messages import PoolLookupRequest
     payload = PoolLookupRequest(model_fingerprint=fp, block_hashes=hashes).encode()
 
-    async def one() -> None:
+    async def one(due: float) -> None:
         nonlocal errors
         started = time.perf_counter()
         if echo:
@@ -93,22 +144,31 @@ async def bench_lookup(client: PoolClient, fp: str, hashes: list[bytes], rate: f
             if r is None or r.pool != len(hashes):
                 errors += 1
                 return
-        latencies.append(time.perf_counter() - started)
+        done = time.perf_counter()
+        sent.append(done - started)
+        due_lat.append(done - due)
 
-    tasks = []
+    pending: set[asyncio.Task] = set()
     n = int(rate * seconds)
     t0 = time.perf_counter()
-    for i in range(n):  # open loop: requests leave on schedule whether or not earlier ones returned
-        delay = t0 + i / rate - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one()))
-    await asyncio.gather(*tasks)
+    with LoopWatch() as watch:
+        for i in range(n):  # open loop: requests leave on schedule whether or not earlier ones returned
+            due = t0 + i / rate
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.create_task(one(due))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+        while pending:
+            await asyncio.gather(*list(pending))
     elapsed = time.perf_counter() - t0
     label = "echo  " if echo else "lookup"
     print(f"{label}  chain={len(hashes)} blocks  offered {rate:.0f}/s  achieved {n / elapsed:.0f}/s  "
-          f"n={len(latencies)} errors={errors}  p50={pct(latencies, 0.5) * 1e3:.3f} ms  "
-          f"p99={pct(latencies, 0.99) * 1e3:.3f} ms  max={max(latencies) * 1e3:.3f} ms")
+          f"n={len(sent)} errors={errors}  p50={pct(sent, 0.5) * 1e3:.3f} ms  "
+          f"p99={pct(sent, 0.99) * 1e3:.3f} ms  max={max(sent) * 1e3:.3f} ms")
+    print(f"        from schedule: p50={pct(due_lat, 0.5) * 1e3:.3f} ms  p99={pct(due_lat, 0.99) * 1e3:.3f} ms  "
+          f"max={max(due_lat) * 1e3:.3f} ms;  {watch.summary()}")
 
 
 async def bench_fetch(label: str, fetch, n_blocks: int, unit_bytes: int, repeat: int = 1) -> None:
@@ -131,6 +191,16 @@ async def main() -> None:
     ap.add_argument("--rate", type=float, default=1000.0)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--chain", type=int, default=128)
+    ap.add_argument("--client-gc", choices=("freeze", "default"), default="freeze",
+                    help="freeze (default): collect, then gc.freeze() this client's setup objects before "
+                         "the lookup runs, so its own full GC passes stay short; default: leave the GC "
+                         "as it is (as earlier runs of this bench did)")
+    ap.add_argument("--index-blocks", type=int, default=0,
+                    help="also index this many more warm blocks (small stand-ins written straight to "
+                         "Redis before the pool starts; its rebuild lists them), so the pool's sweeps and "
+                         "stats walk an index of realistic size")
+    ap.add_argument("--sweep-interval", type=float, default=None,
+                    help="KITE_POOL_SWEEP_INTERVAL_S for the pool (default: the pool's own, 30 s)")
     args = ap.parse_args()
 
     nats_srv = start_nats()
@@ -155,11 +225,15 @@ async def main() -> None:
     s3 = S3Tier(s3_url, "kite-bench", prefix)
     await s3.ensure_bucket()
     await asyncio.gather(*(s3.put(BlockKey.of(fp_cold, h), d) for h, d in chain_cold))
+    if args.index_blocks:
+        seed_index(redis_srv.port, args.index_blocks)
 
     env = dict(os.environ, KITE_NATS_URL=nats_srv.url, KITE_REDIS_URL=redis_srv.url + "/0",
                KITE_S3_ENDPOINT=s3_url, KITE_S3_BUCKET="kite-bench", KITE_S3_PREFIX=prefix,
                KITE_POOL_HOT_BYTES=str((n + 2) * unit_bytes), KITE_LOG_LEVEL="WARNING",
                KITE_METRICS_PORT=str(metrics_port))
+    if args.sweep_interval is not None:
+        env["KITE_POOL_SWEEP_INTERVAL_S"] = str(args.sweep_interval)
     pool = subprocess.Popen([sys.executable, "-m", "kite_ru_pool"], env=env)
     nc = await nats.connect(nats_srv.url)
     client = PoolClient(nc, lookup_timeout_s=1.0, get_timeout_s=10.0)
@@ -167,7 +241,9 @@ async def main() -> None:
         while True:
             try:
                 raw = await nc.request(subjects.POOL_ADMIN, PoolAdminRequest(op="stats").encode(), timeout=0.5)
-                if PoolAdminReply.decode(raw.data).counters["rebuilding"] == 0:
+                counters = PoolAdminReply.decode(raw.data).counters
+                if counters["rebuilding"] == 0:
+                    print(f"pool index: {counters['index_blocks']} blocks after its rebuild")
                     break
             except Exception:
                 pass
@@ -181,12 +257,16 @@ async def main() -> None:
         hashes_a = [h for h, _ in chain_a]
         echo = subprocess.Popen([sys.executable, "-c", ECHO, nats_srv.url])
         await asyncio.sleep(1.0)
+        if args.client_gc == "freeze":
+            gc.collect()
+            gc.freeze()
+        lag_before = scrape_histogram(metrics_port, "kite_pool_event_loop_lag_seconds")[:2]
         await bench_lookup(client, fp_a, hashes_a, args.rate, 1.0)  # warm-up
         await bench_lookup(client, fp_a, hashes_a, args.rate, args.seconds)
+        print_server_side(metrics_port, lag_before)
         await bench_lookup(client, fp_a, hashes_a, args.rate, args.seconds, echo=True)
         echo.terminate()
         echo.wait(5)
-        print_server_side(metrics_port)
 
         await bench_fetch("hot  via NATS (pool get)", lambda: _count(client.get(fp_a, hashes_a)), n,
                           unit_bytes, repeat=3)
@@ -229,23 +309,63 @@ async def main() -> None:
         nats_srv.stop()
 
 
-def print_server_side(port: int) -> None:
-    """Pool-side time per lookup (decode, index walk, encode, respond) from its histogram."""
+def scrape_histogram(port: int, name: str) -> tuple[list[tuple[float, float]], float, float]:
+    """(cumulative buckets as (upper bound, count), count, sum) of one histogram on the pool's /metrics."""
     import urllib.request
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    buckets = []
+    buckets, count, total = [], 0.0, 0.0
     for line in body.splitlines():
-        if line.startswith("kite_pool_lookup_seconds_bucket"):
+        if line.startswith(f"{name}_bucket"):
             le = line.split('le="')[1].split('"')[0]
             buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
-        elif line.startswith("kite_pool_lookup_seconds_count"):
+        elif line.startswith(f"{name}_count"):
             count = float(line.rsplit(" ", 1)[1])
-        elif line.startswith("kite_pool_lookup_seconds_sum"):
+        elif line.startswith(f"{name}_sum"):
             total = float(line.rsplit(" ", 1)[1])
-    def upper(q: float) -> float:
-        return next(le for le, c in buckets if c >= q * count)
+    return buckets, count, total
+
+
+def print_server_side(port: int, lag_before=None) -> None:
+    """Pool-side time per lookup (decode, index walk, encode, respond) from its histogram, and how late
+    the pool's event loop ran during the lookup runs (kite_pool_event_loop_lag_seconds, when exported)."""
+    buckets, count, total = scrape_histogram(port, "kite_pool_lookup_seconds")
+
+    def upper(bs: list[tuple[float, float]], n: float, q: float) -> float:
+        return next(le for le, c in bs if c >= q * n)
     print(f"server  lookups={count:.0f}  mean={total / count * 1e3:.3f} ms  "
-          f"p50<={upper(0.5) * 1e3:.3f} ms  p99<={upper(0.99) * 1e3:.3f} ms (histogram bucket bounds)")
+          f"p50<={upper(buckets, count, 0.5) * 1e3:.3f} ms  p99<={upper(buckets, count, 0.99) * 1e3:.3f} ms "
+          f"(histogram bucket bounds)")
+    if lag_before is None:
+        return
+    buckets, count, _ = scrape_histogram(port, "kite_pool_event_loop_lag_seconds")
+    if not buckets:
+        print("server  (no kite_pool_event_loop_lag_seconds: this pool has no loop-lag probe)")
+        return
+    before = dict((le, c) for le, c in lag_before[0])
+    diff = [(le, c - before.get(le, 0.0)) for le, c in buckets]
+    n = count - lag_before[1]
+    over = {ms: n - next(c for le, c in diff if le >= ms / 1e3) for ms in (2, 5, 10, 50)}
+    worst = next(le for le, c in diff if c >= n)
+    print(f"server  event-loop lag over the lookup runs: {n:.0f} probes (every 10 ms), "
+          + ", ".join(f">{ms} ms: {k:.0f}" for ms, k in over.items())
+          + f", max<={worst * 1e3:.0f} ms")
+
+
+def seed_index(redis_port: int, count: int) -> None:
+    """`count` stand-in warm blocks of another model (tiny values with the usual TTL): the pool indexes
+    them at start and never reads them, so they only make its index bigger."""
+    import redis
+    from kite_shared.tiers.keys import redis_key
+    fp = hashlib.sha256(b"bench index filler").hexdigest()
+    r = redis.Redis(port=redis_port, db=0)
+    for start in range(0, count, 10_000):
+        pipe = r.pipeline(transaction=False)
+        for i in range(start, min(count, start + 10_000)):
+            pipe.set(redis_key(BlockKey.of(fp, hashlib.sha256(i.to_bytes(8, "big")).digest())), b"x" * 64,
+                     ex=3600)
+        pipe.execute()
+    r.close()
+    print(f"index: {count} more warm blocks seeded in Redis")
 
 
 async def _count(coro) -> int:

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+import subprocess
+import time
+from pathlib import Path
 
-from kite_cli.local_servers import LocalServer, start_nats, start_redis
+import pytest
+import redis
+
+from kite_cli.local_servers import LocalServer, find_binary, free_port, start_nats, start_redis
 
 
 @pytest.fixture(scope="session")
@@ -19,6 +25,92 @@ def redis_server() -> LocalServer:
     server = start_redis()
     yield server
     server.stop()
+
+
+class RedisClusterServers:
+    """A real Redis Cluster: `size` redis-server processes in cluster mode, all primaries (no replicas),
+    AUTH on (the password is in `url`, as KITE_REDIS_URL carries it in production)."""
+
+    PASSWORD = "kite-cluster-test"
+
+    def __init__(self, size: int = 3, log_dir: Path | None = None) -> None:
+        self.servers: list[LocalServer] = []
+        ports: list[int] = []
+        while len(ports) < 2 * size:  # a client port and a cluster-bus port per node, all distinct
+            port = free_port()
+            if port not in ports:
+                ports.append(port)
+        try:
+            for port, bus_port in zip(ports[:size], ports[size:]):
+                # The bus port is explicit: the default (port + 10000) can overflow for ephemeral ports.
+                self.servers.append(start_redis(
+                    port, log_file=log_dir / f"redis-{port}.log" if log_dir else None,
+                    extra_args=["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+                                "--cluster-port", str(bus_port), "--requirepass", self.PASSWORD,
+                                "--masterauth", self.PASSWORD]))
+            create = subprocess.run(
+                [find_binary("redis-cli"), "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+                 "--cluster-replicas", "0", "--cluster-yes"],
+                env={**os.environ, "REDISCLI_AUTH": self.PASSWORD}, capture_output=True, text=True,
+                timeout=60)
+            if create.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed:\n{create.stdout}\n{create.stderr}")
+            self._wait_ok(30.0)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def ports(self) -> list[int]:
+        return [s.port for s in self.servers]
+
+    @property
+    def url(self) -> str:
+        """Seed-node URL for KITE_REDIS_URL with KITE_REDIS_CLUSTER on."""
+        return f"redis://:{self.PASSWORD}@127.0.0.1:{self.ports[0]}/0"
+
+    def node(self, port: int) -> redis.Redis:
+        """A plain client of one node (sees only that node's keys)."""
+        return redis.Redis(port=port, password=self.PASSWORD)
+
+    def client(self) -> redis.RedisCluster:
+        """A cluster-aware synchronous client, for checks from the test side."""
+        return redis.RedisCluster(host="127.0.0.1", port=self.ports[0], password=self.PASSWORD)
+
+    def flush(self) -> None:
+        for port in self.ports:
+            with self.node(port) as r:
+                r.flushall()
+
+    def _wait_ok(self, timeout_s: float) -> None:
+        """Every node reports cluster_state:ok and knows every other node."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            infos = []
+            for port in self.ports:
+                with self.node(port) as r:
+                    infos.append(r.execute_command("CLUSTER INFO"))
+            if all(i["cluster_state"] == "ok" and int(i["cluster_known_nodes"]) == len(self.ports)
+                   for i in infos):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Redis Cluster not ok after {timeout_s} s: {infos}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory) -> RedisClusterServers:
+    """A 3-primary Redis Cluster on free ports for the session; tests flush it (`flush()`) as needed."""
+    missing = [b for b in ("redis-server", "redis-cli") if find_binary(b) is None]
+    if missing:
+        pytest.skip(f"Redis Cluster tests need {' and '.join(missing)} (apt-get install redis-server)")
+    cluster = RedisClusterServers(3, log_dir=tmp_path_factory.mktemp("redis-cluster"))
+    yield cluster
+    cluster.stop()
 
 
 class S3Server:

@@ -9,14 +9,16 @@ import argparse
 import asyncio
 import json
 
-import nats
-
 from kite_shared import subjects
+from kite_shared.config import CommonConfig, load
+from kite_shared.service import connect_nats
 from kite_shared.telemetry import ArbitratorAdminReply, ArbitratorAdminRequest
 
 
 async def admin_request(nats_url: str, op: str, routing_mode: str = "", timeout_s: float = 5.0) -> ArbitratorAdminReply:
-    nc = await nats.connect(nats_url)
+    """One request; NATS credentials and TLS from the KITE_NATS_* variables, as for the services."""
+    nc = await connect_nats(nats_url, "kite-arbitrator-admin", load(CommonConfig),
+                            connect_timeout=min(timeout_s, 5.0), allow_reconnect=False)
     try:
         msg = await nc.request(subjects.ARBITRATOR_ADMIN,
                                ArbitratorAdminRequest(op=op, routing_mode=routing_mode).encode(), timeout=timeout_s)

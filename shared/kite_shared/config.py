@@ -158,13 +158,27 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KITE_POOL_ARCHIVE_AFTER_S", float, "604800", RU_POOL,
             "Warm blocks not hit for this many seconds are moved to the cold tier (never later than "
             "just before KITE_WARM_TTL_S would expire them).", minimum=0.1),
+    Setting("KITE_POOL_TENANT_QUOTA_BYTES", int, "0", RU_POOL,
+            "Bytes of blocks each tenant may keep in the ru-pool (encoded size, each block counted once "
+            "whatever tiers hold it); 0: no quota. A put over it first deletes that tenant's own least "
+            "recently hit unpinned blocks from every tier.", minimum=0),
+    Setting("KITE_POOL_TENANT_QUOTAS", str, "", RU_POOL,
+            "Per-tenant overrides of KITE_POOL_TENANT_QUOTA_BYTES, `tenant=bytes,...` (0: no quota for "
+            "that tenant); tenant names as in the API keys."),
     Setting("KITE_POOL_SWEEP_INTERVAL_S", float, "30", RU_POOL,
             "Seconds between lifecycle sweeps (archival, TTL deletion, purges, tier health probes).",
             minimum=0.05),
     Setting("KITE_REDIS_URL", str, "", ("ru-pool", "worker"),
             "Redis URL of the warm tier (redis://host:port/db); empty turns the warm tier off. AUTH and "
-            "TLS go in the URL: redis://user:password@host:port/db, rediss:// for TLS (never logged).",
+            "TLS go in the URL: redis://user:password@host:port/db (URL-quote the password), rediss:// "
+            "for TLS (never logged). TLS options are query parameters: ?ssl_ca_certs=/path/ca.pem for a "
+            "private CA (the server certificate is always verified), plus ssl_certfile=...&ssl_keyfile=... "
+            "when the server wants client certificates.",
             secret=True),
+    Setting("KITE_REDIS_CLUSTER", bool, "off", ("ru-pool", "worker"),
+            "The warm tier is a Redis Cluster: KITE_REDIS_URL names any one of its nodes (db 0), the client "
+            "discovers the others and sends each key to the primary owning its slot. Off: a standalone "
+            "(or primary/replica) Redis."),
     Setting("KITE_WARM_TTL_S", float, "3600", ("ru-pool", "worker"),
             "Seconds a warm (Redis) block lives after its last write or hit; Redis deletes it then.",
             minimum=1),
@@ -261,10 +275,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KITE_NATS_PASSWORD", str, "", ALL, "NATS password of KITE_NATS_USER.", secret=True),
     Setting("KITE_NATS_TOKEN", str, "", ALL, "NATS authentication token; empty: none.", secret=True),
     Setting("KITE_NATS_NKEY_SEED_FILE", str, "", ALL,
-            "File holding the NKey seed this service authenticates to NATS with; empty: none."),
+            "File (mode 0600) holding the NKey user seed this service authenticates to NATS with; empty: "
+            "none."),
     Setting("KITE_NATS_TLS_CA", str, "", ALL,
             "CA bundle that verifies the NATS server (turns TLS on); empty: system CAs when the URL is "
-            "tls://, else no TLS."),
+            "tls://, else no TLS. With TLS on, a server that does not offer TLS is refused."),
     Setting("KITE_NATS_TLS_CERT", str, "", ALL, "Client certificate for NATS mutual TLS (with KITE_NATS_TLS_KEY)."),
     Setting("KITE_NATS_TLS_KEY", str, "", ALL, "Private key of KITE_NATS_TLS_CERT."),
 )
@@ -406,10 +421,35 @@ class WorkerConfig:
 @dataclass(frozen=True)
 class RuPoolConfig:
     hot_bytes: int = env("KITE_POOL_HOT_BYTES")
+    tenant_quota_bytes: int = env("KITE_POOL_TENANT_QUOTA_BYTES")
+    tenant_quotas: str = env("KITE_POOL_TENANT_QUOTAS")
     metrics_port: int = env("KITE_METRICS_PORT")
     archive_after_s: float = env("KITE_POOL_ARCHIVE_AFTER_S")
     sweep_interval_s: float = env("KITE_POOL_SWEEP_INTERVAL_S")
     telemetry_interval_s: float = env("KITE_TELEMETRY_INTERVAL_S")
+
+    def __post_init__(self) -> None:
+        self.tenant_quota_overrides()  # fail at startup, not on the first put
+
+    def tenant_quota_overrides(self) -> dict[str, int]:
+        """KITE_POOL_TENANT_QUOTAS as {tenant name: bytes}."""
+        out: dict[str, int] = {}
+        for i, item in enumerate(x.strip() for x in self.tenant_quotas.split(",")):
+            if not item:
+                continue
+            tenant, sep, raw = item.rpartition("=")
+            tenant = tenant.strip()
+            try:
+                quota = int(raw.strip())
+            except ValueError:
+                quota = -1
+            if not sep or not tenant or quota < 0:
+                raise ConfigError(f"KITE_POOL_TENANT_QUOTAS entry {i + 1}: expected tenant=bytes "
+                                  f"(bytes an integer >= 0), got {item!r}")
+            if tenant in out:
+                raise ConfigError(f"KITE_POOL_TENANT_QUOTAS: tenant {tenant!r} is listed twice")
+            out[tenant] = quota
+        return out
 
 
 @dataclass(frozen=True)
@@ -417,6 +457,7 @@ class TierConfig:
     """Where the warm and cold tiers live; read by the ru-pool and by workers that fetch directly."""
 
     redis_url: str = env("KITE_REDIS_URL")
+    redis_cluster: bool = env("KITE_REDIS_CLUSTER")
     warm_ttl_s: float = env("KITE_WARM_TTL_S")
     cold_ttl_s: float = env("KITE_COLD_TTL_S")
     timeout_s: float = env("KITE_TIER_TIMEOUT_S")

@@ -10,11 +10,14 @@ Recyclable units (KV blocks) are not messages: they have their own binary format
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import ClassVar, Literal, TypeVar
+from typing import Callable, ClassVar, Literal, TypeVar
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kite_shared.security import ANONYMOUS_TENANT
 
 SCHEMA_VERSION = 1
 
@@ -63,6 +66,27 @@ def _validate(cls: type[M], body: dict) -> M:
         raise MessageError(f"invalid {cls.KIND!r} message: {exc}") from None
 
 
+T = TypeVar("T")
+
+
+def decode_or_log(decode: Callable[[bytes], T], data: bytes, log: logging.Logger, what: str, *args: object,
+                  level: int = logging.WARNING) -> T | None:
+    """`decode(data)`, or None after logging `what % args` and the MessageError at `level`.
+
+    For a subscriber that drops a bad message (there is no one to reply to) and goes on; `decode` is a
+    Message class's decode or a decode_* function:
+
+        beat = decode_or_log(Heartbeat.decode, msg.data, log, "bad heartbeat on %s", msg.subject)
+        if beat is None:
+            return
+    """
+    try:
+        return decode(data)
+    except MessageError as exc:
+        log.log(level, what + ": %s", *args, exc)
+        return None
+
+
 # --- request path ----------------------------------------------------------------------------------
 
 
@@ -103,6 +127,9 @@ class GenerateRequest(Message):
     sampling: SamplingParams
     reuse: bool = True  # per-request Upcycle switch (deployment switch is KITE_REUSE)
     cache_salt: str = ""  # tenant isolation salt, mixed into the first block hash
+    # The authenticated tenant (decided by the gateway, never by the client): names the owner of the
+    # blocks this request stores, for the pool's per-tenant accounting, quotas and clears.
+    tenant: str = Field(default=ANONYMOUS_TENANT, min_length=1, max_length=128)
     stream_subject: str  # where the worker sends TokenChunk / StreamEnd / StreamError
     created_at: float = Field(default_factory=time.time)  # unix seconds, when the gateway received it
     # Request migration: tokens already generated (and sent to the client) by a worker that died. The
@@ -123,6 +150,7 @@ class TokenizedRequest(Message):
     sampling: SamplingParams  # max_tokens is always resolved here
     reuse: bool
     cache_salt: str = ""  # mixed into block 0's hash; the worker recomputes the chain to verify it
+    tenant: str = Field(default=ANONYMOUS_TENANT, min_length=1, max_length=128)  # GenerateRequest.tenant
     model_fingerprint: str  # hex digest of the model-state + execution-path fingerprint
     block_size: int  # tokens per block the hashes cover
     block_hashes: list[bytes]  # hash chain over the full prompt blocks, 32 bytes each
@@ -310,6 +338,7 @@ class PoolGetRequest(Message):
     model_fingerprint: str
     block_hashes: list[bytes]
     max_bytes: int = 0  # reply budget; 0 = what the NATS connection allows
+    tenant: str = ANONYMOUS_TENANT  # whose blocks these are (part of their storage keys)
 
 
 class PoolGetReply(Message):
@@ -324,14 +353,17 @@ class PoolGetReply(Message):
 
 
 class PoolAdminRequest(Message):
-    """-> ru-pool (subjects.POOL_ADMIN). ops: stats, clear (all, or one model_fingerprint), pin / unpin
-    (model_fingerprint + block_hashes: never evicted, archived or expired until unpinned), purge
-    (delete every block of model_fingerprint from every tier and refuse it from now on)."""
+    """-> ru-pool (subjects.POOL_ADMIN). ops: stats (with `tenant`: also that tenant's usage), clear
+    (all, one model_fingerprint, one tenant, or a model's blocks of one tenant), pin / unpin
+    (model_fingerprint + block_hashes: never evicted, archived or expired until unpinned; with `tenant`
+    for a tenant's blocks, default anonymous), purge (delete every block of model_fingerprint from
+    every tier and refuse it from now on)."""
 
     KIND: ClassVar[str] = "pool_admin_request"
     op: Literal["stats", "clear", "pin", "unpin", "purge"]
     model_fingerprint: str = ""
     block_hashes: list[bytes] = Field(default_factory=list)
+    tenant: str = ""  # tenant name; "" = every tenant (stats, clear) or anonymous (pin, unpin)
 
 
 class TierStats(BaseModel):
@@ -345,10 +377,23 @@ class TierStats(BaseModel):
     integrity_failures: int = 0
 
 
+class TenantUsage(BaseModel):
+    """What one tenant stores in the pool: each block counted once, whichever tiers hold it."""
+
+    model_config = ConfigDict(frozen=True)
+    blocks: int = 0
+    bytes: int = 0  # encoded unit bytes
+    quota_bytes: int = 0  # 0 = no quota
+    quota_evictions: int = 0  # blocks evicted to make room under the quota, since the pool started
+    quota_refused: int = 0  # puts refused because pinned blocks alone left no room
+
+
 class PoolAdminReply(Message):
     KIND: ClassVar[str] = "pool_admin_reply"
     ok: bool
     affected: int = 0  # blocks cleared, pinned, unpinned or purged
     tiers: dict[str, TierStats] = Field(default_factory=dict)  # "hot", "warm", "cold" (op stats)
+    # op stats: per tenant tag (kite_shared.security.tenant_tag); only the asked tenant when one was named
+    tenants: dict[str, TenantUsage] = Field(default_factory=dict)
     counters: dict[str, int] = Field(default_factory=dict)  # puts, duplicates, promotions, ...
     error: ErrorInfo | None = None

@@ -1,14 +1,17 @@
 """Recyclable units (RUs): one KV block for all layers plus the metadata that proves what it is.
 
-Binary format, version 2 (all integers big-endian; no pickle anywhere, so decoding untrusted bytes
+Binary format, version 3 (all integers big-endian; no pickle anywhere, so decoding untrusted bytes
 cannot run code):
 
-    offset 0   4 bytes   magic b"KRU" + format version byte (0x02)
+    offset 0   4 bytes   magic b"KRU" + format version byte (0x03)
     offset 4   4 bytes   header length H (uint32)
     offset 8   H bytes   msgpack map (the header):
                  block_hash        bin(32)  the block's CF hash (kite_shared.fingerprint)
                  parent_hash       bin(32)  hash of the previous block (the chain root for block 0)
                  model_fingerprint str      hex root digest of model state + execution path
+                 tenant_tag        str      16 hex digits naming the tenant whose request computed the
+                                            block (kite_shared.security.tenant_tag); the pool's per-tenant
+                                            accounting and quotas read it
                  block_index       int      position of the block in its sequence (0-based)
                  num_tokens        int      tokens in the block (= block size; only full blocks are RUs)
                  created_at        float    unix seconds
@@ -19,17 +22,17 @@ cannot run code):
                                    when encoded without a key
     offset 8+H           payload: the tensor, C order, little-endian elements
 
-Version 2 added `mac`: HMAC-SHA256(key, "kite.ru.v2/mac" | block_hash | parent_hash |
-len32+model_fingerprint | block_index u64 | num_tokens u64 | created_at f64 | len32+codec | shape 5 x u64 |
+Version 2 added `mac`; version 3 added `tenant_tag`. The MAC is HMAC-SHA256(key, "kite.ru.v3/mac" |
+block_hash | parent_hash | len32+model_fingerprint | len32+tenant_tag | block_index u64 | num_tokens u64 | created_at f64 | len32+codec | shape 5 x u64 |
 checksum | payload). The fields are fed in this fixed binary form (not as the msgpack bytes), so the MAC
 does not depend on how a msgpack library orders or sizes things. The key is derived from the cluster
 secret (`kite_shared.security.ru_key`, KITE_CLUSTER_SECRET): a unit written by a process without the
-secret, or altered after writing (checksum recomputed or not), fails with `RUAuthError`. Version 1 units
-(no mac) are refused as a format error: a cache entry of the old format is a miss.
+secret, or altered after writing (checksum recomputed or not), fails with `RUAuthError`. Units of older
+versions are refused as a format error: a cache entry of an old format is a miss, recomputed.
 
 `decode` checks magic, version, header types, that the shape matches num_tokens and the codec's element
 size matches the payload length, the checksum, the MAC (when a key is given; a unit without one then
-fails), and (when given) that the block hash and model are the ones asked for. Anything else raises a subclass of `RUError`: callers treat that as a miss, never as a load.
+fails), and (when given) that the block hash, model and tenant are the ones asked for. Anything else raises a subclass of `RUError`: callers treat that as a miss, never as a load.
 
 Pure logic: no I/O, no torch (the worker turns payloads into tensors with `torch.frombuffer`).
 """
@@ -45,9 +48,11 @@ from dataclasses import dataclass, field
 
 import msgpack
 
+from kite_shared.security import ANONYMOUS_TENANT_TAG, TENANT_TAG_CHARS
+
 MAGIC = b"KRU"
-FORMAT_VERSION = 2
-_MAC_DOMAIN = b"kite.ru.v2/mac"
+FORMAT_VERSION = 3
+_MAC_DOMAIN = b"kite.ru.v3/mac"
 MAC_BYTES = 32
 _PREAMBLE = struct.Struct(">3sBI")  # magic, version, header length
 MAX_HEADER_BYTES = 4096
@@ -87,6 +92,7 @@ class RecyclableUnit:
     shape: tuple[int, int, int, int, int]
     payload: bytes  # raw tensor bytes (see module docstring)
     created_at: float = field(default_factory=time.time)
+    tenant_tag: str = ANONYMOUS_TENANT_TAG  # kite_shared.security.tenant_tag of the computing tenant
 
     @property
     def num_bytes(self) -> int:
@@ -98,12 +104,13 @@ class RecyclableUnit:
     def mac(self, key: bytes, checksum: bytes | None = None) -> bytes:
         """HMAC-SHA256 of the unit's identity, header fields and payload (module docstring)."""
         fp = self.model_fingerprint.encode("utf-8")
+        tenant = self.tenant_tag.encode("utf-8")
         codec = self.codec.encode("utf-8")
         if not 0 <= self.block_index < 2**64:
             raise RUFormatError("block index out of range")
         h = hmac.new(key, digestmod=hashlib.sha256)
         h.update(_MAC_DOMAIN + bytes(self.block_hash) + bytes(self.parent_hash)
-                 + struct.pack(">I", len(fp)) + fp
+                 + struct.pack(">I", len(fp)) + fp + struct.pack(">I", len(tenant)) + tenant
                  + struct.pack(">QQd", self.block_index, self.num_tokens, float(self.created_at))
                  + struct.pack(">I", len(codec)) + codec + struct.pack(">5Q", *self.shape)
                  + (checksum if checksum is not None else self.checksum()))
@@ -113,11 +120,13 @@ class RecyclableUnit:
     def encode(self, key: bytes | None = None) -> bytes:
         """The unit's bytes; with `key` (the cluster RU key) it carries an HMAC readers can verify."""
         _check_geometry(self.codec, self.shape, self.num_tokens, len(self.payload))
+        _check_tenant_tag(self.tenant_tag)
         checksum = self.checksum()
         header = msgpack.packb({
             "block_hash": self.block_hash,
             "parent_hash": self.parent_hash,
             "model_fingerprint": self.model_fingerprint,
+            "tenant_tag": self.tenant_tag,
             "block_index": self.block_index,
             "num_tokens": self.num_tokens,
             "created_at": self.created_at,
@@ -143,8 +152,14 @@ def _check_geometry(codec: str, shape: tuple[int, ...], num_tokens: int, payload
         raise RUFormatError(f"payload is {payload_len} bytes, shape and codec need {expected}")
 
 
-def decode(data: bytes, expected_hash: bytes | None = None,
-           expected_model: str | None = None, key: bytes | None = None) -> RecyclableUnit:
+def _check_tenant_tag(tag: object) -> None:
+    if not (isinstance(tag, str) and len(tag) == TENANT_TAG_CHARS
+            and all(c in "0123456789abcdef" for c in tag)):
+        raise RUFormatError(f"tenant_tag must be {TENANT_TAG_CHARS} lowercase hex digits")
+
+
+def decode(data: bytes, expected_hash: bytes | None = None, expected_model: str | None = None,
+           key: bytes | None = None, expected_tenant_tag: str | None = None) -> RecyclableUnit:
     """Parse and verify `data`; see the module docstring for what is checked. With `key`, a unit whose
     MAC is absent or wrong raises RUAuthError."""
     if len(data) < _PREAMBLE.size:
@@ -167,6 +182,7 @@ def decode(data: bytes, expected_hash: bytes | None = None,
             block_hash=_typed(header, "block_hash", bytes),
             parent_hash=_typed(header, "parent_hash", bytes),
             model_fingerprint=_typed(header, "model_fingerprint", str),
+            tenant_tag=_typed(header, "tenant_tag", str),
             block_index=_typed(header, "block_index", int),
             num_tokens=_typed(header, "num_tokens", int),
             created_at=float(_typed(header, "created_at", (int, float))),
@@ -187,6 +203,7 @@ def decode(data: bytes, expected_hash: bytes | None = None,
     if unit.block_index < 0:
         raise RUFormatError("negative block index")
     _check_geometry(unit.codec, unit.shape, unit.num_tokens, len(unit.payload))
+    _check_tenant_tag(unit.tenant_tag)
     if unit.checksum() != checksum:
         raise RUChecksumError("payload checksum mismatch")
     if key is not None:
@@ -198,6 +215,8 @@ def decode(data: bytes, expected_hash: bytes | None = None,
         raise RUKeyMismatchError("unit holds a different block than requested")
     if expected_model is not None and unit.model_fingerprint != expected_model:
         raise RUKeyMismatchError("unit belongs to a different model fingerprint")
+    if expected_tenant_tag is not None and unit.tenant_tag != expected_tenant_tag:
+        raise RUKeyMismatchError("unit belongs to a different tenant")
     return unit
 
 

@@ -3,6 +3,7 @@ that keys the recyclable-unit MAC, and redaction of credentials in URLs before t
 
     hash_api_key(key)            SHA-256 hex of an API key: what key files and KITE_API_KEYS store
     tenant_cache_salt(t, salt)   the cache salt the gateway puts in GenerateRequest.cache_salt
+    tenant_tag(t)                16 hex digits naming a tenant in storage keys and RU headers
     ru_key()                     HMAC key of recyclable units, from KITE_CLUSTER_SECRET or the per-install
                                  secret file (created once, 0600, under a file lock)
     redact_url(url)              the URL with any user/password replaced by "***"
@@ -27,6 +28,8 @@ log = logging.getLogger(__name__)
 
 ANONYMOUS_TENANT = "anonymous"
 _SALT_DOMAIN = b"kite-tenant-salt/v1"
+_TENANT_TAG_DOMAIN = b"kite-tenant-tag/v1"
+TENANT_TAG_CHARS = 16
 _RU_KEY_DOMAIN = b"kite-ru-hmac/v1"
 SECRET_BYTES = 32
 
@@ -53,6 +56,16 @@ def tenant_cache_salt(tenant: str, client_salt: str = "") -> str:
     sharing within its tenant (a different client salt gives a different derived salt).
     """
     return hashlib.sha256(_SALT_DOMAIN + _field(tenant) + _field(client_salt)).hexdigest()
+
+
+def tenant_tag(tenant: str) -> str:
+    """First 16 hex digits of SHA-256("kite-tenant-tag/v1" | tenant): names a tenant in storage keys and
+    RU headers, so the pool can account, quota and clear a tenant's blocks (even after a restart, from
+    key listings alone) without tenant names, which may be sensitive, ever reaching storage."""
+    return hashlib.sha256(_TENANT_TAG_DOMAIN + _field(tenant)).hexdigest()[:TENANT_TAG_CHARS]
+
+
+ANONYMOUS_TENANT_TAG = tenant_tag(ANONYMOUS_TENANT)
 
 
 def redact_url(url: str) -> str:

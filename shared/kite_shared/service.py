@@ -10,7 +10,13 @@ A service entrypoint is thin:
 
 On SIGTERM or SIGINT the runtime marks itself draining (heartbeats say so), runs the drain callbacks
 (which finish in-flight work), then drains the NATS connection (nats.py flushes pending publishes and
-unsubscribes) and exits 0.
+unsubscribes) and exits 0. A signal that arrives during setup is acted on once setup returns.
+
+Before the NATS connection is up a service serves nothing, so SIGTERM or SIGINT then end the process at
+once, with status 0 and the log line "<service> stopping before NATS connected" (see
+exit_on_signal_until_connected): connecting retries for ever (a wrong password, no server yet), and an
+orchestrator must not have to wait out its grace period and SIGKILL it. An entrypoint that loads something
+slow (a model) before run_service calls exit_on_signal_until_connected first.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import asyncio
 import contextvars
 import json
 import logging
+import os
 import signal
 import ssl
 import sys
@@ -33,13 +40,15 @@ from prometheus_client import Counter
 
 from kite_shared import subjects
 from kite_shared.config import CommonConfig, ConfigError, default_instance_id, load
-from kite_shared.messages import Heartbeat, Ping, Pong
+from kite_shared.messages import Heartbeat, Ping, Pong, decode_or_log
 from kite_shared.security import redact_url
 from kite_shared.tracing import current_trace_id, setup_tracing
 
 log = logging.getLogger(__name__)
 
 NATS_RECONNECTS = Counter("kite_nats_reconnects_total", "Times this process reconnected to NATS")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -95,52 +104,169 @@ def nats_auth_options(common: CommonConfig | None) -> dict[str, Any]:
 
     User/password, token and NKey seed file are exclusive choices of NATS server auth; credentials may
     also be in the URL (nats://user:pass@host), which is never logged unredacted. A CA, client cert or
-    key turns TLS on (a tls:// URL turns it on with the system CAs).
+    key turns TLS on (a tls:// URL turns it on with the system CAs). Errors name the variable and the
+    file, never a secret or a file's contents.
     """
     if common is None:
         return {}
     options: dict[str, Any] = {}
+    if common.nats_password and not common.nats_user:
+        raise ConfigError("KITE_NATS_PASSWORD is set but KITE_NATS_USER is empty")
     if common.nats_user or common.nats_password:
         options.update(user=common.nats_user, password=common.nats_password)
     if common.nats_token:
         options["token"] = common.nats_token
-    if common.nats_nkey_seed_file:
-        try:
-            import nkeys  # noqa: F401  (nats-py signs the server's nonce with it)
-        except ImportError:
-            raise ConfigError("KITE_NATS_NKEY_SEED_FILE needs the `nkeys` package (pip install nkeys)") from None
-        if not Path(common.nats_nkey_seed_file).expanduser().is_file():
-            raise ConfigError("KITE_NATS_NKEY_SEED_FILE: no such file")
-        options["nkeys_seed"] = str(Path(common.nats_nkey_seed_file).expanduser())
     if sum(bool(x) for x in (common.nats_user or common.nats_password, common.nats_token,
                              common.nats_nkey_seed_file)) > 1:
         raise ConfigError("set only one of KITE_NATS_USER/KITE_NATS_PASSWORD, KITE_NATS_TOKEN and "
                           "KITE_NATS_NKEY_SEED_FILE")
+    if common.nats_nkey_seed_file:
+        options["nkeys_seed"] = str(_check_nkey_seed_file(Path(common.nats_nkey_seed_file).expanduser()))
     if common.nats_tls_ca or common.nats_tls_cert or common.nats_tls_key:
         if bool(common.nats_tls_cert) != bool(common.nats_tls_key):
             raise ConfigError("KITE_NATS_TLS_CERT and KITE_NATS_TLS_KEY go together")
-        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=common.nats_tls_ca or None)
+        ca = str(Path(common.nats_tls_ca).expanduser()) if common.nats_tls_ca else None
+        try:
+            context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+        except OSError as exc:  # ssl.SSLError is an OSError too
+            raise ConfigError(f"KITE_NATS_TLS_CA={ca!r}: cannot load a CA bundle from it: {exc}") from None
         if common.nats_tls_cert:
-            context.load_cert_chain(common.nats_tls_cert, common.nats_tls_key)
+            cert, key = (str(Path(p).expanduser()) for p in (common.nats_tls_cert, common.nats_tls_key))
+            _warn_if_others_can_read(Path(key), "KITE_NATS_TLS_KEY")
+            try:
+                # Without a password callback OpenSSL would prompt on the terminal for an encrypted key.
+                context.load_cert_chain(cert, key, password=_refuse_encrypted_key)
+            except OSError as exc:
+                raise ConfigError(f"KITE_NATS_TLS_CERT={cert!r} / KITE_NATS_TLS_KEY={key!r}: cannot load "
+                                  f"the client certificate and key: {exc}") from None
         options["tls"] = context
     return options
 
 
-async def connect_nats(url: str, name: str, common: CommonConfig | None = None) -> NATS:
-    """Connect with reconnects forever; credentials and TLS from `common` (nats_auth_options)."""
-    options = nats_auth_options(common)
+def _refuse_encrypted_key() -> bytes:
+    raise ConfigError("KITE_NATS_TLS_KEY is encrypted: give an unencrypted key file (readable only by "
+                      "the service, mode 0600)")
 
-    async def on_error(exc: Exception) -> None:
-        log.warning("NATS error: %s", _scrub(str(exc), common))
+
+def _warn_if_others_can_read(path: Path, variable: str) -> None:
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return  # the load that follows reports it
+    if mode & 0o077:
+        log.warning("%s=%s can be read by other users (mode %o): chmod 600 it", variable, path, mode & 0o777)
+
+
+def _check_nkey_seed_file(path: Path) -> Path:
+    """`path` if it holds a valid NKey seed (nats-py reads it again at every connect to sign the nonce)."""
+    try:
+        import nkeys  # nats-py signs the server's nonce with it
+    except ImportError:
+        raise ConfigError("KITE_NATS_NKEY_SEED_FILE needs the `nkeys` package (pip install nkeys)") from None
+    try:
+        seed = bytearray(path.read_bytes().strip())
+    except OSError as exc:
+        raise ConfigError(f"KITE_NATS_NKEY_SEED_FILE={str(path)!r}: cannot read it: {exc.strerror}") from None
+    try:
+        nkeys.from_seed(seed).wipe()
+    except Exception:  # nkeys' errors carry no text; never echo the file's contents
+        raise ConfigError(f"KITE_NATS_NKEY_SEED_FILE={str(path)!r}: does not hold an NKey seed (one line "
+                          "starting with SU, as written by `nk -gen user`)") from None
+    finally:
+        seed[:] = b"\0" * len(seed)
+    _warn_if_others_can_read(path, "KITE_NATS_NKEY_SEED_FILE")
+    return path
+
+
+class _KiteNatsClient(NATS):
+    """A nats-py client that never sends CONNECT (credentials included) in plaintext when TLS is wanted.
+
+    nats-py upgrades a connection to TLS only when the server's INFO says `tls_required`, even for a tls://
+    URL or a `tls=` context: a server without TLS (or anyone in the middle rewriting INFO) would receive
+    the password or token in the clear. With TLS configured this client refuses the server instead
+    (nats.errors.SecureConnWantedError, "secure connection not available").
+    """
+
+    def _connect_command(self) -> bytes:
+        server = self._current_server
+        scheme = server.uri.scheme if server is not None else ""
+        wants_tls = "tls" in self.options or scheme == "tls"
+        has_tls = bool(self.options.get("tls_handshake_first") or self._server_info.get("tls_required"))
+        if wants_tls and not has_tls and scheme not in ("ws", "wss"):
+            raise nats.errors.SecureConnWantedError()
+        return super()._connect_command()
+
+
+class NatsErrorLog:
+    """The error callback of a NATS connection: logs each error, an unchanged repeat of one only with backoff.
+
+    With max_reconnect_attempts=-1 nats-py's connect() itself retries for ever, the first connect included
+    (it never raises while allow_reconnect is on), calling the error callback at every failed attempt, one
+    each reconnect_time_wait: a wrong password would otherwise log two lines a second for as long as it
+    stays wrong. A repeat is logged at its 2nd, 4th, 8th, ... occurrence and at least once a minute, with
+    its count. An authorization violation or a refused TLS setup will not fix itself: logged at ERROR,
+    the rest at WARNING. Secrets are scrubbed (_scrub). The counts restart at every (re)connect.
+    """
+
+    REPEAT_EVERY_S = 60.0
+
+    def __init__(self, common: CommonConfig | None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._common = common
+        self._clock = clock
+        self._repeats: dict[str, tuple[int, float]] = {}  # error text -> (times seen, when last logged)
+        self.failures = 0  # errors since the last (re)connect
+        self.last = ""  # the last error's text (scrubbed)
+
+    async def __call__(self, exc: Exception) -> None:
+        text = _scrub(str(exc) or type(exc).__name__, self._common)
+        self.failures += 1
+        self.last = text
+        now = self._clock()
+        seen, logged_at = self._repeats.get(text, (0, now))
+        seen += 1
+        if seen & (seen - 1) and now - logged_at < self.REPEAT_EVERY_S:  # not a power of two, not yet due
+            self._repeats[text] = (seen, logged_at)
+            return
+        self._repeats[text] = (seen, now)
+        level, hint = logging.WARNING, ""
+        if "authorization violation" in text.lower() or isinstance(exc, nats.errors.AuthorizationError):
+            level, hint = logging.ERROR, (" (the NATS server refuses this service's credentials: check "
+                                          "KITE_NATS_USER/KITE_NATS_PASSWORD, KITE_NATS_TOKEN, "
+                                          "KITE_NATS_NKEY_SEED_FILE or the user in KITE_NATS_URL)")
+        elif isinstance(exc, (nats.errors.SecureConnWantedError, ssl.SSLCertVerificationError)):
+            level = logging.ERROR
+        repeats = f" ({seen} times)" if seen > 1 else ""
+        log.log(level, "NATS error: %s%s%s", text, repeats, hint)
+
+    def connected(self) -> None:
+        self._repeats.clear()
+        self.failures = 0
+
+
+async def connect_nats(url: str, name: str, common: CommonConfig | None = None, *,
+                       error_log: NatsErrorLog | None = None, **overrides: Any) -> NATS:
+    """Connect with reconnects forever; credentials and TLS from `common` (nats_auth_options).
+
+    Reconnects forever includes the first connect: this returns only once connected, however long that
+    takes (a NATS server not up yet, a wrong password), logging why meanwhile (NatsErrorLog, or
+    `error_log`). `overrides` replace nats.connect options (tests and CLIs: allow_reconnect=False, which
+    makes a failed first attempt raise; connect_timeout=...).
+    """
+    options = nats_auth_options(common)
+    errors = error_log or NatsErrorLog(common)
+
+    async def on_error(exc: Exception) -> None:  # nats-py wants a coroutine function, not a callable object
+        await errors(exc)
 
     async def on_disconnect() -> None:
         log.warning("NATS disconnected; reconnecting")
 
     async def on_reconnect() -> None:
         NATS_RECONNECTS.inc()
+        errors.connected()
         log.info("NATS reconnected")
 
-    return await nats.connect(
+    options.update(
         servers=[u.strip() for u in url.split(",") if u.strip()],
         name=name,
         max_reconnect_attempts=-1,  # a NATS restart must never need a manual service restart
@@ -148,8 +274,14 @@ async def connect_nats(url: str, name: str, common: CommonConfig | None = None) 
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
-        **options,
     )
+    options.update(overrides)
+    nc = _KiteNatsClient()
+    await nc.connect(**options)
+    if errors.failures:
+        log.info("NATS connected after %d failed attempt(s)", errors.failures)
+    errors.connected()
+    return nc
 
 
 def _scrub(text: str, common: CommonConfig | None) -> str:
@@ -172,6 +304,7 @@ class ServiceRuntime:
         self._drain_callbacks: list[Callable[[], Awaitable[None]]] = []
         self._heartbeat_fields: Callable[[], dict[str, Any]] = dict
         self._tasks: list[asyncio.Task] = []
+        self.nats_errors = NatsErrorLog(common)
 
     def on_drain(self, callback: Callable[[], Awaitable[None]]) -> None:
         self._drain_callbacks.append(callback)
@@ -184,7 +317,9 @@ class ServiceRuntime:
                          sent_at=time.time(), draining=self.draining, **self._heartbeat_fields())
 
     async def start(self) -> None:
-        self.nc = await connect_nats(self.common.nats_url, self.instance_id, self.common)
+        log.info("connecting to NATS %s", redact_url(self.common.nats_url))
+        self.nc = await connect_nats(self.common.nats_url, self.instance_id, self.common,
+                                     error_log=self.nats_errors)
         await self.nc.subscribe(subjects.ping(self.service), queue=self.service, cb=self._on_ping)
         self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
 
@@ -202,10 +337,7 @@ class ServiceRuntime:
     async def _on_ping(self, msg: Msg) -> None:
         if not msg.reply:
             return
-        try:
-            Ping.decode(msg.data)
-        except ValueError as exc:
-            log.warning("bad ping: %s", exc)
+        if decode_or_log(Ping.decode, msg.data, log, "bad ping") is None:
             return
         pong = Pong(service=self.service, instance_id=self.instance_id,
                     uptime_s=time.time() - self.started_at)
@@ -226,8 +358,36 @@ class ServiceRuntime:
             await self.nc.drain()
 
 
+def exit_on_signal_until_connected(service: str) -> None:
+    """From now until run_service is connected to NATS, SIGTERM and SIGINT end the process at once, status 0.
+
+    Until then the service serves nothing, so there is nothing to drain; but it may be busy for long
+    (loading a model, or connecting to NATS, which retries for ever), and an orchestrator would otherwise
+    wait out its grace period and SIGKILL it. run_service calls this first; an entrypoint that loads
+    something slow before calling run_service calls it before that.
+    """
+    def on_signal(signum: int, _frame: object) -> None:
+        _exit_before_connected(service, signum, "")
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_signal)
+
+
+def _exit_before_connected(service: str, signum: int, last_nats_error: str) -> None:
+    why = f"; last NATS error: {last_nats_error}" if last_nats_error else ""
+    log.warning("%s stopping before NATS connected (%s%s): nothing to drain", service,
+                signal.Signals(signum).name, why)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stderr.flush()
+    # Not SystemExit: raised into whatever was running (model loading, nats-py's connect loop) it could
+    # be caught, or leave the interpreter waiting at exit for threads and atexit hooks (tracing exporters).
+    os._exit(0)
+
+
 def run_service(service: str, setup: Callable[[ServiceRuntime], Awaitable[None]]) -> None:
     """Entrypoint body shared by every service: config, connect, setup, wait for a signal, drain."""
+    exit_on_signal_until_connected(service)
     common = load(CommonConfig)
     runtime = ServiceRuntime(service, common)
     setup_logging(service, runtime.instance_id, common.log_level)
@@ -236,8 +396,15 @@ def run_service(service: str, setup: Callable[[ServiceRuntime], Awaitable[None]]
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+
+        def on_signal(signum: int) -> None:
+            if runtime.nc is None:  # still connecting (nats-py retries for ever)
+                _exit_before_connected(service, signum, runtime.nats_errors.last)
+            stop.set()  # connected: drain once setup (if still running) has returned
+
+        for sig in STOP_SIGNALS:
+            # Through the event loop (its wakeup fd), not signal.signal: prompt even while the loop sleeps.
+            loop.add_signal_handler(sig, on_signal, sig)
         await runtime.start()
         await setup(runtime)
         log.info("%s ready (instance %s, NATS %s)", service, runtime.instance_id, redact_url(common.nats_url))

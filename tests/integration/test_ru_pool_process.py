@@ -92,9 +92,11 @@ async def test_process_serves_restarts_with_its_index_and_exports_metrics(nats_s
         assert r.hot == 5
         body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
         assert "kite_pool_lookup_seconds_count" in body
+        assert "kite_pool_event_loop_lag_seconds_count" in body  # the loop-lag probe runs (issue 4)
         assert 'kite_tier_bytes_total{direction="write",tier="warm"}' in body
         log = stop(proc)
         assert "ru-pool stopped" in log
+        assert "GC collected and froze" in log  # after the index rebuild (kite_ru_pool.gc_freeze)
 
         proc = start_pool(env)  # Redis and S3 stayed up: the index comes back from them
         await wait_ready(nc, proc)

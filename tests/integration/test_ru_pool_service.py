@@ -17,13 +17,14 @@ import redis
 
 from kite_cli import pool_admin
 from kite_cli.local_servers import free_port, start_redis
+from kite_ru_pool.core import COLD
 from kite_ru_pool.service import PoolService
 from kite_shared.config import RuPoolConfig, TierConfig, load
 from kite_shared.messages import PoolAdminRequest
 from kite_shared.recyclable_unit import RecyclableUnit, decode
-from kite_shared.security import ru_key
+from kite_shared.security import ANONYMOUS_TENANT, ru_key, tenant_tag
 from kite_shared.tiers import metrics
-from kite_shared.tiers.keys import BlockKey, object_key, redis_key
+from kite_shared.tiers.keys import BlockKey, object_key, redis_key, redis_pattern
 from kite_shared.tiers.pool_client import PoolClient
 
 SHAPE = (2, 2, 1, 16, 4)
@@ -33,15 +34,16 @@ def new_fp() -> str:
     return hashlib.sha256(uuid.uuid4().bytes).hexdigest()
 
 
-def make_chain(fp: str, n: int) -> list[tuple[bytes, bytes]]:
-    """(block_hash, encoded unit) for a chain of n small fp16 blocks."""
+def make_chain(fp: str, n: int, tenant: str = ANONYMOUS_TENANT) -> list[tuple[bytes, bytes]]:
+    """(block_hash, encoded unit) for a chain of n small fp16 blocks computed for `tenant`."""
     out = []
-    parent = hashlib.sha256(fp.encode()).digest()
+    parent = hashlib.sha256(f"{fp}/{tenant}".encode()).digest()  # like the tenant's salt in block 0
     for i in range(n):
         h = hashlib.sha256(parent + i.to_bytes(4, "big")).digest()
         payload = bytes((i * 13 + j) % 251 for j in range(2 * 2 * 1 * 16 * 4 * 2))
         unit = RecyclableUnit(block_hash=h, parent_hash=parent, model_fingerprint=fp, block_index=i,
-                              num_tokens=16, codec="fp16", shape=SHAPE, payload=payload)
+                              num_tokens=16, codec="fp16", shape=SHAPE, payload=payload,
+                              tenant_tag=tenant_tag(tenant))
         out.append((h, unit.encode(key=ru_key())))
         parent = h
     return out
@@ -337,7 +339,7 @@ async def test_redis_outage_keeps_the_pool_answering_and_warm_resumes(pools, cli
 
 
 def env_warm_count(port: int) -> int:
-    return len(list(redis.Redis(port=port).scan_iter("kite:ru:v1:*")))
+    return len(list(redis.Redis(port=port).scan_iter(redis_pattern())))
 
 
 async def test_new_fingerprint_means_old_blocks_are_never_served_and_are_purged(pools, client, env):
@@ -365,7 +367,7 @@ async def test_new_fingerprint_means_old_blocks_are_never_served_and_are_purged(
 
 
 def env_keys(env: Env, fp: str) -> int:
-    return len(list(env.redis().scan_iter(f"kite:ru:v1:{fp[:16]}:*")))
+    return len(list(env.redis().scan_iter(redis_pattern(fp[:16]))))
 
 
 async def test_worker_local_caches_show_in_lookups(pools, client):
@@ -415,3 +417,92 @@ async def test_lookup_latency_under_load(pools, client):
         assert r.warm == 128
     latencies.sort()
     assert latencies[int(0.99 * len(latencies))] < 0.025  # loose on shared CI; bench/ measures p99
+
+
+# --- tenants: quotas, usage, clear by tenant ----------------------------------------------------------
+
+
+def tenant_stats(reply, tenant: str):
+    return reply.tenants[tenant_tag(tenant)]
+
+
+async def test_tenant_quota_evicts_the_tenants_own_oldest_blocks_from_warm_and_cold(pools, client, env):
+    # Warm and cold both hold every block (archival runs with cold_has_it), so an eviction must reach both.
+    pool = await pools.start(hot_bytes=0, tenant_quota_bytes=5 * UNIT_BYTES)
+    fp = new_fp()
+    old = make_chain(fp, 4, tenant="acme")
+    other = make_chain(new_fp(), 6, tenant="beta")  # beta has no room problem: quota is per tenant
+    await put_chain(client, pool, old)
+    await put_chain(client, pool, other)
+    for h, data in old:  # copy acme's blocks to cold too, as archival would
+        assert await pool.cold.put(BlockKey.of(fp, h, tenant_tag("acme")), data)
+        pool.core.note_stored(BlockKey.of(fp, h, tenant_tag("acme")), COLD, len(data), pool.clock())
+    await asyncio.sleep(1.1)  # the next chain is more recent at the quota's one-second grain
+    new = make_chain(new_fp(), 3, tenant="acme")
+    for block in new:  # one at a time: with no hot tier a block counts once its warm write lands
+        await put_chain(client, pool, [block])
+    # new[0] fills the quota (5 units); new[1] would make 6: down to int(4.5 units) with it, so 2 blocks
+    # go, the least recent first and, equally recent, the deepest: old[3], old[2]; new[2] then fits.
+    acme = tenant_tag("acme")
+    gone = [h for h, _ in old[2:]]
+    kept = [h for h, _ in old[:2]]
+    await pool.drain_background()
+    r = env.redis()
+    assert all(not r.exists(redis_key(BlockKey.of(fp, h, acme))) for h in gone)
+    assert all(r.exists(redis_key(BlockKey.of(fp, h, acme))) for h in kept)
+    assert [await pool.cold.exists(BlockKey.of(fp, h, acme)) for h, _ in old] == [True, True, False, False]
+    assert (await client.lookup(fp, [h for h, _ in old])).pool == 2  # the head survives: still a hit
+    reply = await client.admin(PoolAdminRequest(op="stats", tenant="acme"))
+    usage = tenant_stats(reply, "acme")
+    assert (usage.blocks, usage.bytes, usage.quota_bytes) == (5, 5 * UNIT_BYTES, 5 * UNIT_BYTES)
+    assert usage.quota_evictions == 2 and list(reply.tenants) == [acme]
+    full = await client.admin(PoolAdminRequest(op="stats"))
+    assert tenant_stats(full, "beta").blocks == 6 and tenant_stats(full, "beta").quota_evictions == 0
+
+
+async def test_tenant_usage_is_rebuilt_from_key_listings_after_a_restart(pools, client, env):
+    pool = await pools.start(hot_bytes=0)
+    await put_chain(client, pool, make_chain(new_fp(), 3, tenant="acme"))
+    await put_chain(client, pool, make_chain(new_fp(), 2, tenant="beta"))
+    await pools.stop(pool)
+    pool = await pools.start(hot_bytes=0)
+    usage = pool.core.tenant_usage()
+    assert len(usage[tenant_tag("acme")].blocks) == 3 and len(usage[tenant_tag("beta")].blocks) == 2
+    assert usage[tenant_tag("acme")].num_bytes == 3 * UNIT_BYTES
+
+
+async def test_clear_by_tenant_deletes_only_that_tenants_blocks_everywhere(pools, client, env, capsys):
+    pool = await pools.start(archive_after_s=0.3)
+    fp = new_fp()
+    mine = make_chain(fp, 3, tenant="acme")
+    theirs = make_chain(fp, 3, tenant="beta")  # same model, other tenant
+    await put_chain(client, pool, mine)
+    await put_chain(client, pool, theirs)
+    await wait_for(lambda: pool.core.counters.archived == 6, what="blocks archived to cold")
+    # A block acme stored that the index does not know (e.g. written during a rebuild) goes too.
+    stray = make_chain(new_fp(), 1, tenant="acme")[0]
+    stray_key = BlockKey.of(decode(stray[1]).model_fingerprint, stray[0], tenant_tag("acme"))
+    env.redis().set(redis_key(stray_key), stray[1])
+    rc = await asyncio.to_thread(pool_admin.main, ["--nats-url", env.nats_url, "clear", "--tenant", "acme"])
+    assert rc == 0 and '"affected": 3' in capsys.readouterr().out
+    await pool.drain_background()
+    assert not env.redis().exists(redis_key(stray_key))
+    acme_cold = [s.key async for s in pool.cold.iter_keys() if s.key.tenant_tag == tenant_tag("acme")]
+    beta_cold = [s.key async for s in pool.cold.iter_keys() if s.key.tenant_tag == tenant_tag("beta")]
+    assert acme_cold == [] and len(beta_cold) == 3
+    assert (await client.lookup(fp, [h for h, _ in mine])).pool == 0
+    assert (await client.lookup(fp, [h for h, _ in theirs])).pool == 3
+    assert await client.get(fp, [h for h, _ in theirs], tenant="beta") == [d for _, d in theirs]
+    assert not pool.core.pending_tenant_purges
+    rc = await asyncio.to_thread(pool_admin.main, ["--nats-url", env.nats_url, "stats", "--tenant", "acme"])
+    assert rc == 0 and '"blocks": 0' in capsys.readouterr().out
+
+
+async def test_get_needs_the_owning_tenant_to_find_a_block_in_storage(pools, client):
+    pool = await pools.start(hot_bytes=0)
+    fp = new_fp()
+    chain = make_chain(fp, 2, tenant="acme")
+    await put_chain(client, pool, chain)
+    hashes = [h for h, _ in chain]
+    assert await client.get(fp, hashes, tenant="beta") == []  # another tenant's key: a miss
+    assert await client.get(fp, hashes, tenant="acme") == [d for _, d in chain]

@@ -14,6 +14,7 @@ import redis
 
 from kite_cli.local_servers import free_port, start_redis
 from kite_shared.recyclable_unit import RecyclableUnit
+from kite_shared.security import ANONYMOUS_TENANT_TAG
 from kite_shared.tiers import metrics
 from kite_shared.tiers.cold import LocalDirTier, S3Tier
 from kite_shared.tiers.keys import BlockKey, object_key, redis_key
@@ -181,4 +182,5 @@ async def test_s3_object_layout_is_the_documented_one(s3, s3_server):
     client = boto3.client("s3", endpoint_url=s3_server.url, region_name="us-east-1")
     body = client.get_object(Bucket="kite-test", Key=object_key(s3.prefix, BlockKey.of(FP, h)))["Body"].read()
     assert body == d
-    assert object_key(s3.prefix, BlockKey.of(FP, h)).endswith(f"ru/v1/{FP[:16]}/{h.hex()}.kru")
+    layout = f"ru/v2/{FP[:16]}/{ANONYMOUS_TENANT_TAG}/{h.hex()}.kru"
+    assert object_key(s3.prefix, BlockKey.of(FP, h)).endswith(layout)

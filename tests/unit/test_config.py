@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kite_shared import config
-from kite_shared.config import ConfigError, GatewayConfig, ModelConfig, WorkerConfig, load
+from kite_shared.config import ConfigError, GatewayConfig, ModelConfig, TierConfig, WorkerConfig, load
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,6 +26,35 @@ def test_defaults_and_overrides_parse():
 def test_bad_values_raise_config_error_naming_the_variable(env):
     with pytest.raises(ConfigError, match=next(iter(env))):
         load(WorkerConfig, env)
+
+
+def test_redis_cluster_setting_is_off_by_default_and_parsed():
+    assert load(TierConfig, {}).redis_cluster is False
+    for raw, value in (("on", True), ("yes", True), ("1", True), ("off", False), ("0", False)):
+        assert load(TierConfig, {"KITE_REDIS_CLUSTER": raw}).redis_cluster is value
+    with pytest.raises(ConfigError, match="KITE_REDIS_CLUSTER"):
+        load(TierConfig, {"KITE_REDIS_CLUSTER": "sharded"})
+    assert config.setting("KITE_REDIS_CLUSTER").services == config.setting("KITE_REDIS_URL").services
+
+
+def test_tier_client_builds_a_cluster_client_only_when_asked():
+    """No I/O: redis-py connects on first use. AUTH and TLS still come from the URL in cluster mode."""
+    from redis.asyncio import Redis
+    from redis.asyncio.cluster import RedisCluster
+    from redis.asyncio.connection import SSLConnection
+
+    from kite_shared.tiers.client import TierClient
+
+    env = {"KITE_REDIS_URL": "rediss://kite:s3cret@redis.example:6380/0"}
+    plain = TierClient.from_config(load(TierConfig, env), with_cold=False, ru_key=b"k" * 32).warm
+    assert not plain.cluster and isinstance(plain._redis, Redis)
+    warm = TierClient.from_config(load(TierConfig, {**env, "KITE_REDIS_CLUSTER": "on"}), with_cold=False,
+                                  ru_key=b"k" * 32).warm
+    assert warm.cluster and isinstance(warm._redis, RedisCluster)
+    kwargs = warm._redis.get_connection_kwargs()
+    assert kwargs["connection_class"] is SSLConnection
+    assert (kwargs["username"], kwargs["password"]) == ("kite", "s3cret")
+    assert [(n.host, n.port) for n in warm._redis.startup_nodes] == [("redis.example", 6380)]
 
 
 def test_model_config_rejects_unknown_dtype():

@@ -10,6 +10,7 @@ import pytest
 
 from kite_shared.recyclable_unit import (RecyclableUnit, RUChecksumError, RUFormatError, RUKeyMismatchError,
                                          decode)
+from kite_shared.security import ANONYMOUS_TENANT_TAG, tenant_tag
 
 SHAPE = (2, 2, 1, 16, 4)
 
@@ -31,7 +32,7 @@ def test_round_trip(codec):
 def test_layout_is_magic_length_header_payload():
     data = unit().encode()
     magic, version, header_len = struct.unpack_from(">3sBI", data)
-    assert (magic, version) == (b"KRU", 2)
+    assert (magic, version) == (b"KRU", 3)
     header = msgpack.unpackb(data[8:8 + header_len])
     assert header["shape"] == list(SHAPE) and header["codec"] == "fp16"
     assert data[8 + header_len:] == unit().payload
@@ -47,8 +48,9 @@ def test_flipped_payload_byte_fails_checksum():
 @pytest.mark.parametrize("damage", [
     lambda d: d[:7],  # truncated preamble
     lambda d: b"XRU" + d[3:],  # bad magic
-    lambda d: d[:3] + b"\x03" + d[4:],  # unknown version
+    lambda d: d[:3] + b"\x04" + d[4:],  # unknown version
     lambda d: d[:3] + b"\x01" + d[4:],  # version 1 (no MAC) is no longer read
+    lambda d: d[:3] + b"\x02" + d[4:],  # version 2 (no tenant tag) is no longer read
     lambda d: d[:-2],  # payload shorter than the shape needs
     lambda d: d + b"\x00\x00",  # payload longer
     lambda d: d[:4] + struct.pack(">I", 10**6) + d[8:],  # header length out of range
@@ -65,6 +67,20 @@ def test_wrong_block_or_model_is_a_key_mismatch():
         decode(data, expected_hash=b"\x09" * 32)
     with pytest.raises(RUKeyMismatchError):
         decode(data, expected_model="00" * 32)
+    with pytest.raises(RUKeyMismatchError):
+        decode(data, expected_tenant_tag=tenant_tag("acme"))
+
+
+def test_tenant_tag_round_trips_and_defaults_to_anonymous():
+    assert decode(unit().encode()).tenant_tag == ANONYMOUS_TENANT_TAG == tenant_tag("anonymous")
+    acme = RecyclableUnit(**{**unit().__dict__, "tenant_tag": tenant_tag("acme")})
+    assert decode(acme.encode(), expected_tenant_tag=tenant_tag("acme")).tenant_tag == tenant_tag("acme")
+
+
+@pytest.mark.parametrize("bad", ["", "ACME", "0123", "g" * 16, "0" * 17])
+def test_malformed_tenant_tag_is_refused(bad):
+    with pytest.raises(RUFormatError):
+        RecyclableUnit(**{**unit().__dict__, "tenant_tag": bad}).encode()
 
 
 def test_encode_refuses_inconsistent_geometry():

@@ -1,4 +1,4 @@
-"""RU format v2: the HMAC every unit carries, its verification, the cluster secret it is keyed with, and
+"""RU format v3: the HMAC every unit carries, its verification, the cluster secret it is keyed with, and
 tiers treating a failed check as a counted miss (never a load)."""
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ def test_wrong_key_missing_mac_and_forged_fields_are_auth_errors():
     good = unit().encode(key=KEY)
     for forged in (_rewrite_header(good, block_index=4),
                    _rewrite_header(good, model_fingerprint="cd" * 32),
+                   _rewrite_header(good, tenant_tag=security.tenant_tag("mallory")),
                    _rewrite_header(good, block_hash=b"\x07" * 32),
                    _rewrite_header(good, created_at=1.0),
                    _rewrite_header(good, payload=bytes(len(unit().payload)))):

@@ -45,3 +45,14 @@ def test_an_abandoned_probe_lets_the_next_caller_probe():
     assert h.should_try()
     h.release_probe()
     assert h.should_try()
+
+
+def test_down_log_lines_keep_the_client_message_but_mask_url_credentials():
+    from kite_shared.tiers.base import _describe
+
+    assert _describe(ValueError("WRONGPASS invalid username-password pair")) == \
+        "WRONGPASS invalid username-password pair"
+    assert _describe(OSError("Error connecting to rediss://kite:s3cret@redis:6380/0")) == \
+        "Error connecting to rediss://***@redis:6380/0"
+    assert _describe(TimeoutError()) == "no detail"
+    assert len(_describe(ValueError("x" * 500))) == 200

@@ -24,7 +24,7 @@ from prometheus_client import Counter as MetricCounter, Histogram, start_http_se
 
 from kite_shared import subjects
 from kite_shared.config import ArbitratorConfig, load
-from kite_shared.messages import Heartbeat, MessageError
+from kite_shared.messages import Heartbeat, MessageError, decode_or_log
 from kite_shared.service import ServiceRuntime, run_service
 from kite_shared.telemetry import (ROUTING_MODES, ArbitratorAdminReply, ArbitratorAdminRequest,
                                    decode_telemetry)
@@ -75,10 +75,8 @@ class ArbitratorService:
         self._write_log()
 
     async def on_heartbeat(self, msg: Msg) -> None:
-        try:
-            beat = Heartbeat.decode(msg.data)
-        except MessageError as exc:
-            log.warning("bad heartbeat on %s: %s", msg.subject, exc)
+        beat = decode_or_log(Heartbeat.decode, msg.data, log, "bad heartbeat on %s", msg.subject)
+        if beat is None:
             return
         if beat.instance_id not in self.live:
             log.info("new %s instance %s", beat.service, beat.instance_id)
@@ -87,10 +85,8 @@ class ArbitratorService:
 
     async def on_telemetry(self, msg: Msg) -> None:
         received = time.perf_counter()
-        try:
-            telemetry = decode_telemetry(msg.data)
-        except MessageError as exc:
-            log.warning("bad telemetry on %s: %s", msg.subject, exc)
+        telemetry = decode_or_log(decode_telemetry, msg.data, log, "bad telemetry on %s", msg.subject)
+        if telemetry is None:
             return
         RECEIVED.labels(telemetry.KIND).inc()
         now = time.time()

@@ -10,7 +10,7 @@ from prometheus_client import Histogram, start_http_server
 from kite_shared import model_store, subjects
 from kite_shared.config import FingerprinterConfig, ModelConfig, load
 from kite_shared.messages import Admission, ErrorInfo, GenerateRequest, MessageError
-from kite_shared.service import ServiceRuntime, request_id_var, run_service
+from kite_shared.service import ServiceRuntime, exit_on_signal_until_connected, request_id_var, run_service
 from kite_shared.tiers.pool_client import PoolClient
 from kite_shared.tracing import headers_with_context, start_span_from_headers, use_span
 from kite_fingerprinter.core import Fingerprinter, RequestError
@@ -79,6 +79,7 @@ def build_core(model_cfg: ModelConfig, cfg: FingerprinterConfig) -> Fingerprinte
 
 
 def main() -> None:
+    exit_on_signal_until_connected("fingerprinter")  # loading the tokenizer may take a while
     model_cfg = load(ModelConfig)
     cfg = load(FingerprinterConfig)
     core = build_core(model_cfg, cfg)

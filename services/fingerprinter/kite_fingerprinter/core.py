@@ -63,7 +63,7 @@ class Fingerprinter:
         return TokenizedRequest(
             request_id=request.request_id, model=request.model, prompt_token_ids=prompt,
             sampling=request.sampling.model_copy(update={"max_tokens": max_tokens}),
-            reuse=request.reuse, cache_salt=request.cache_salt,
+            reuse=request.reuse, cache_salt=request.cache_salt, tenant=request.tenant,
             model_fingerprint=self.identity.fingerprint_hex, block_size=self.block_size,
             block_hashes=[bytes(h) for h in hashes], stream_subject=request.stream_subject,
             created_at=request.created_at, num_resumed_tokens=len(resumed),

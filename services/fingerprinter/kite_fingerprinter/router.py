@@ -25,7 +25,8 @@ from prometheus_client import Counter
 
 from kite_shared import subjects
 from kite_shared.config import FingerprinterConfig
-from kite_shared.messages import Admission, ErrorInfo, Heartbeat, MessageError, TokenizedRequest
+from kite_shared.messages import (Admission, ErrorInfo, Heartbeat, MessageError, TokenizedRequest,
+                                  decode_or_log)
 from kite_shared.routing import RouteRequest, RoutingKnobs, WorkerState, choose
 from kite_shared.telemetry import ROUTING_MODES, Decision, WorkerTelemetry
 from kite_shared.tiers.pool_client import PoolClient
@@ -112,24 +113,18 @@ class Router:
         await self.nc.subscribe(subjects.DECISIONS, cb=self._on_decision)
 
     async def _on_heartbeat(self, msg: Msg) -> None:
-        try:
-            self.live.heartbeat(Heartbeat.decode(msg.data), time.monotonic())
-        except MessageError as exc:
-            log.debug("bad heartbeat: %s", exc)
+        beat = decode_or_log(Heartbeat.decode, msg.data, log, "bad heartbeat", level=logging.DEBUG)
+        if beat is not None:
+            self.live.heartbeat(beat, time.monotonic())
 
     async def _on_telemetry(self, msg: Msg) -> None:
-        try:
-            self.live.telemetry(WorkerTelemetry.decode(msg.data), time.monotonic())
-        except MessageError as exc:
-            log.debug("bad worker telemetry: %s", exc)
+        t = decode_or_log(WorkerTelemetry.decode, msg.data, log, "bad worker telemetry", level=logging.DEBUG)
+        if t is not None:
+            self.live.telemetry(t, time.monotonic())
 
     async def _on_decision(self, msg: Msg) -> None:
-        try:
-            d = Decision.decode(msg.data)
-        except MessageError as exc:
-            log.warning("bad decision: %s", exc)
-            return
-        if d.action != "routing":
+        d = decode_or_log(Decision.decode, msg.data, log, "bad decision")
+        if d is None or d.action != "routing":
             return
         if d.weights is not None:
             knobs = RoutingKnobs(affinity_weight=d.weights.affinity, load_weight=d.weights.load,

@@ -10,7 +10,7 @@ from nats.aio.msg import Msg
 
 from kite_shared import subjects
 from kite_shared.config import GatewayConfig, load
-from kite_shared.messages import Heartbeat, MessageError
+from kite_shared.messages import Heartbeat, decode_or_log
 from kite_shared.service import ServiceRuntime, run_service
 from kite_gateway.auth import Authenticator
 from kite_gateway.control import GatewayControl
@@ -25,10 +25,9 @@ async def start_gateway(rt: ServiceRuntime, cfg: GatewayConfig) -> GenerationCli
     fleet = Fleet(dead_after_s=cfg.worker_dead_after_s)
 
     async def on_heartbeat(msg: Msg) -> None:
-        try:
-            fleet.observe(Heartbeat.decode(msg.data))
-        except MessageError as exc:
-            log.warning("bad heartbeat on %s: %s", msg.subject, exc)
+        beat = decode_or_log(Heartbeat.decode, msg.data, log, "bad heartbeat on %s", msg.subject)
+        if beat is not None:
+            fleet.observe(beat)
 
     await rt.nc.subscribe(subjects.HEARTBEAT_WILDCARD, cb=on_heartbeat)
     client = GenerationClient(nc=rt.nc, fleet=fleet, gateway_id=rt.instance_id.replace(".", "_"),

@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from prometheus_client import Counter
 
 from kite_shared import subjects
-from kite_shared.messages import MessageError
+from kite_shared.messages import decode_or_log
 from kite_shared.telemetry import Decision, GatewayTelemetry
 from kite_gateway.errors import ApiError
 
@@ -93,12 +93,8 @@ class GatewayControl:
         self._task = asyncio.create_task(self._loop())
 
     async def _on_decision(self, msg: Msg) -> None:
-        try:
-            d = Decision.decode(msg.data)
-        except MessageError as exc:
-            log.warning("bad decision: %s", exc)
-            return
-        if d.action == "admission":
+        d = decode_or_log(Decision.decode, msg.data, log, "bad decision")
+        if d is not None and d.action == "admission":
             self.gate.apply(d)
 
     async def _loop(self) -> None:

@@ -36,6 +36,7 @@ from prometheus_client import Counter
 from kite_shared.messages import (Admission, Cancel, ChatMessage, ErrorInfo, GenerateRequest, MessageError,
                                   SamplingParams, StreamEnd, StreamError, TokenChunk, Usage,
                                   decode_stream_event)
+from kite_shared.security import ANONYMOUS_TENANT
 from kite_shared.service import request_id_var
 from kite_shared.tracing import SpanKind, headers_with_context, tracer
 from kite_gateway.errors import ApiError
@@ -69,7 +70,8 @@ class GenerationParams:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     reuse: bool = True
-    cache_salt: str = ""
+    cache_salt: str = ""  # already derived from the tenant (security.tenant_cache_salt)
+    tenant: str = ANONYMOUS_TENANT  # the authenticated caller; owns the blocks this request stores
     session_id: str = ""  # routing affinity (issue 5)
 
 
@@ -245,7 +247,8 @@ class GenerationClient:
         request = GenerateRequest(
             request_id=request_id, model=params.model, messages=params.messages, prompt=params.prompt,
             prompt_token_ids=params.prompt_token_ids, sampling=params.sampling, reuse=params.reuse,
-            cache_salt=params.cache_salt, stream_subject=stream_subject, session_id=params.session_id,
+            cache_salt=params.cache_salt, tenant=params.tenant, stream_subject=stream_subject,
+            session_id=params.session_id,
             resume_token_ids=resume_token_ids or [])
         try:
             reply = await self.nc.request(subjects.FINGERPRINT, request.encode(),

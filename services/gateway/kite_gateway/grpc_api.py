@@ -200,6 +200,7 @@ class KiteService(kite_pb2_grpc.KiteServicer):
         except InvalidArgument as exc:
             raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid_value") from None
         params.cache_salt = tenant_cache_salt(tenant, params.cache_salt)
+        params.tenant = tenant
         # gRPC also cancels this task when the deadline passes, but then the call ends as a bare
         # cancellation; bounding the work here ends it as DEADLINE_EXCEEDED with its error code, and
         # without relying on that. None (no deadline) means no timeout.

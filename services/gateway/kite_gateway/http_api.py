@@ -177,7 +177,7 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
         body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)  # type: ignore[assignment]
         params = GenerationParams(model=body.model, sampling=body.sampling(body.resolved_max_tokens),
                                   messages=[m.to_message() for m in body.messages], reuse=body.kite.reuse,
-                                  cache_salt=tenant_cache_salt(tenant, body.cache_salt),
+                                  cache_salt=tenant_cache_salt(tenant, body.cache_salt), tenant=tenant,
                                   session_id=body.kite.session_id)
         started = time.monotonic()
         generations = await gather_open(client(), [params] * body.n)
@@ -208,7 +208,7 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
             params += [GenerationParams(model=body.model, sampling=body.sampling(body.max_tokens), prompt=text,
                                         prompt_token_ids=ids, reuse=body.kite.reuse,
                                         cache_salt=tenant_cache_salt(tenant, body.cache_salt),
-                                        session_id=body.kite.session_id)] * body.n
+                                        tenant=tenant, session_id=body.kite.session_id)] * body.n
         started = time.monotonic()
         generations = await gather_open(client(), params)
         response_id = f"cmpl-{uuid.uuid4().hex}"

@@ -21,6 +21,7 @@ async def setup(rt: ServiceRuntime) -> None:
         log.info("metrics on :%d/metrics", cfg.metrics_port)
     pool = PoolService(cfg, tier_cfg, rt.nc)
     pool.instance_id = rt.instance_id  # names its telemetry
+    pool.freeze_gc = True  # this process is the pool's own: keep the cyclic GC off its index (gc_freeze)
     await pool.start()
     rt.on_drain(pool.stop)
 

@@ -22,7 +22,26 @@ counts as a hit):
   * cold TTL: a block held only in cold and idle >= cold_ttl_s (when > 0) is deleted;
   * pins: pinned blocks are never evicted from hot, archived or expired (warm stores them without TTL);
   * invalidation: a model tag replaced by a new fingerprint (or purged) is never looked up or served
-    again; its blocks are listed for a background purge until the purge succeeds.
+    again; its blocks are listed for a background purge until the purge succeeds;
+  * sweeps: `sweep` decides over the whole index at once; the service walks it in bounded slices
+    (`begin_sweep`, `SweepPass`), judging each entry when its slice runs, so one sweep never holds the
+    event loop for long (issue 4).
+
+Tenants: every block belongs to the tenant whose request computed it (its storage key and RU header
+name the tenant tag). The core keeps a ledger per tenant: its blocks and bytes, each block counted once
+whatever tiers hold it (so the figure survives promotion and demotion, and a rebuild from key listings
+restores it). Quotas (`tenant_quota_bytes`, per-tenant overrides) are enforced on put by
+`reserve_quota`: when the new block would take the tenant over its quota, the tenant's own least
+recently hit unpinned blocks are dropped from every tier until the tenant, new block included, is at or
+under QUOTA_EVICT_TO of its quota - evicting a little below the line means a tenant at its quota pays
+one sort per ~10% of its quota, not one per put. Recency is compared at QUOTA_RECENCY_GRAIN_S, and among
+blocks equally recent the deepest (highest block index) go first, then by key: a chain is put or hit
+head to tail within milliseconds, and dropping its tail first (as vLLM's free queue does) leaves a
+shorter prefix that still hits, where dropping its head would strand the rest. If pinned blocks leave no room, or
+the block alone is larger than the quota, the put is refused. Only a tenant's own blocks are ever
+evicted for it: one tenant's traffic cannot push another's blocks out of warm or cold (the hot tier
+remains one shared LRU). Blocks already being written (a demotion in flight) are not eviction
+candidates. A quota lowered below what a tenant holds takes effect at that tenant's next put.
 """
 
 from __future__ import annotations
@@ -30,6 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from kite_shared.security import ANONYMOUS_TENANT_TAG
 from kite_shared.tiers.hot import HotLRU
 from kite_shared.tiers.keys import BlockKey, model_tag
 
@@ -37,6 +57,8 @@ HOT, WARM, COLD = 1, 2, 4
 TIER_BITS = {"hot": HOT, "warm": WARM, "cold": COLD}
 TIER_LETTER = {HOT: b"h", WARM: b"w", COLD: b"c"}
 ALL_TAGS = "*"  # pending_purges entry meaning every block of every model
+QUOTA_EVICT_TO = 0.9  # a tenant over its quota is brought down to this fraction of it (docstring)
+QUOTA_RECENCY_GRAIN_S = 1.0  # last hits closer than this count as equally recent for quota evictions
 
 # bytes.translate tables over tier bit sets (0..7): 1 where the set holds the tier, and the letter of
 # the cheapest tier in the set.
@@ -56,6 +78,21 @@ class Entry:
     size: int = 0  # bytes of the encoded unit
     last_hit: float = 0.0  # unix seconds of the last put or hit
     warm_touch: float = 0.0  # unix seconds the warm TTL was last set (write, renewal)
+    tenant_tag: str = ANONYMOUS_TENANT_TAG  # the owner; with (model tag, hash) it makes the storage key
+    depth: int = 0  # block index in its chain, when known (from the put); 0 after a rebuild
+
+    def key(self, tag: str, block_hash: bytes) -> BlockKey:
+        return BlockKey(tag, block_hash, self.tenant_tag)
+
+
+@dataclass
+class TenantLedger:
+    """One tenant's blocks in the pool (index identities) and their total encoded size."""
+
+    num_bytes: int = 0
+    blocks: set[tuple[str, bytes]] = field(default_factory=set)  # (model tag, block hash)
+    quota_evictions: int = 0  # blocks dropped to keep the tenant under its quota
+    quota_refused: int = 0  # puts refused: pinned blocks left no room, or the block exceeds the quota
 
 
 @dataclass(frozen=True)
@@ -89,7 +126,15 @@ class ExpireCold:
     key: BlockKey
 
 
-Action = Demote | Archive | RenewWarm | ExpireCold
+@dataclass(frozen=True)
+class DropBlock:
+    """Delete the block from `tiers` (a bit set of WARM | COLD); the index and hot already forgot it."""
+
+    key: BlockKey
+    tiers: int
+
+
+Action = Demote | Archive | RenewWarm | ExpireCold | DropBlock
 
 
 @dataclass(frozen=True)
@@ -126,8 +171,14 @@ class Counters:
 
 class PoolCore:
     def __init__(self, hot_bytes: int, archive_after_s: float, warm_ttl_s: float, cold_ttl_s: float,
-                 sweep_interval_s: float, has_warm: bool, has_cold: bool) -> None:
+                 sweep_interval_s: float, has_warm: bool, has_cold: bool, tenant_quota_bytes: int = 0,
+                 tenant_quotas: dict[str, int] | None = None) -> None:
+        """`tenant_quota_bytes`: every tenant's quota (0: none); `tenant_quotas`: overrides by tenant
+        tag (kite_shared.security.tenant_tag), 0 meaning no quota for that tenant."""
         self.hot = HotLRU(hot_bytes)
+        self.tenant_quota_bytes = tenant_quota_bytes
+        self.tenant_quotas = dict(tenant_quotas or {})
+        self._ledgers: dict[str, TenantLedger] = {}
         self.archive_after_s = archive_after_s
         self.warm_ttl_s = warm_ttl_s
         self.cold_ttl_s = cold_ttl_s
@@ -137,10 +188,12 @@ class PoolCore:
         self.has_cold = has_cold
         self.counters = Counters()
         self._models: dict[str, dict[bytes, Entry]] = {}
-        self._pins: set[BlockKey] = set()
+        self._pins: set[tuple[str, bytes]] = set()  # (model tag, block hash)
         self._names: dict[str, str] = {}  # model name -> current fingerprint
         self._invalidated: set[str] = set()  # model tags never served again
         self.pending_purges: set[str] = set()  # invalidated or cleared tags whose storage needs purging
+        # (model tag or ALL_TAGS, tenant tag) of tenant clears whose storage needs purging
+        self.pending_tenant_purges: set[tuple[str, str]] = set()
         self._workers: dict[str, dict[str, set[bytes]]] = {}  # worker -> tag -> hashes
         self._worker_seq: dict[str, int] = {}
         self._worker_seen: dict[str, float] = {}
@@ -158,23 +211,41 @@ class PoolCore:
         models = self._models.setdefault(key.model_tag, {})
         e = models.get(key.block_hash)
         if e is None:
-            e = models[key.block_hash] = Entry()
+            e = models[key.block_hash] = Entry(tenant_tag=key.tenant_tag)
+            self._ledger(key.tenant_tag).blocks.add((key.model_tag, key.block_hash))
         return e
+
+    def _ledger(self, tenant_tag: str) -> TenantLedger:
+        ledger = self._ledgers.get(tenant_tag)
+        if ledger is None:
+            ledger = self._ledgers[tenant_tag] = TenantLedger()
+        return ledger
+
+    def _unaccount(self, tag: str, block_hash: bytes, e: Entry) -> None:
+        ledger = self._ledgers.get(e.tenant_tag)
+        if ledger is not None:
+            ledger.blocks.discard((tag, block_hash))
+            ledger.num_bytes -= e.size
 
     def _drop_if_empty(self, key: BlockKey, e: Entry) -> None:
         if e.tiers == 0:
             models = self._models.get(key.model_tag)
-            if models is not None:
-                models.pop(key.block_hash, None)
+            if models is not None and models.get(key.block_hash) is e:
+                del models[key.block_hash]
+                self._unaccount(key.model_tag, key.block_hash, e)
                 if not models:
                     del self._models[key.model_tag]
 
     def note_stored(self, key: BlockKey, tier: int, size: int, now: float,
-                    last_hit: float | None = None) -> None:
+                    last_hit: float | None = None, depth: int | None = None) -> None:
         """A tier now holds the block (written, promoted, or found by a rebuild)."""
         e = self._ensure(key)
+        if depth is not None:
+            e.depth = depth
         e.tiers |= tier
-        e.size = size or e.size
+        if size and size != e.size:
+            self._ledger(e.tenant_tag).num_bytes += size - e.size
+            e.size = size
         if last_hit is not None:
             e.last_hit = max(e.last_hit, last_hit)
         elif e.last_hit == 0.0:
@@ -189,7 +260,7 @@ class PoolCore:
             return
         e.tiers &= ~tier
         if tier == HOT:
-            self.hot.delete(key)
+            self.hot.delete(e.key(key.model_tag, key.block_hash))
         self._drop_if_empty(key, e)
 
     def note_hit(self, key: BlockKey, now: float) -> None:
@@ -203,16 +274,93 @@ class PoolCore:
             e.warm_touch = now
 
     def is_pinned(self, key: BlockKey) -> bool:
-        return key in self._pins
+        return (key.model_tag, key.block_hash) in self._pins
 
-    def keys_in(self, tier: int, tag: str | None = None) -> list[BlockKey]:
-        """Keys the index believes `tier` holds (sorted, for deterministic purges and tests)."""
+    def keys_in(self, tier: int, tag: str | None = None, tenant_tag: str | None = None) -> list[BlockKey]:
+        """Keys the index believes `tier` holds, of one model tag and/or tenant tag or all (sorted, for
+        deterministic purges and tests)."""
         out = []
         for t, models in self._models.items():
             if tag is not None and t != tag:
                 continue
-            out.extend(BlockKey(t, h) for h, e in models.items() if e.tiers & tier)
+            out.extend(e.key(t, h) for h, e in models.items()
+                       if e.tiers & tier and (tenant_tag is None or e.tenant_tag == tenant_tag))
         return sorted(out)
+
+    # --- tenants ----------------------------------------------------------------------------------
+    def quota_of(self, tenant_tag: str) -> int:
+        """The tenant's quota in bytes; 0 = none."""
+        return self.tenant_quotas.get(tenant_tag, self.tenant_quota_bytes)
+
+    def tenant_usage(self, tenant_tag: str | None = None) -> dict[str, TenantLedger]:
+        """Ledgers by tenant tag (of one tenant when given: an empty ledger if it stores nothing)."""
+        if tenant_tag is not None:
+            return {tenant_tag: self._ledgers.get(tenant_tag) or TenantLedger()}
+        return {t: ledger for t, ledger in sorted(self._ledgers.items()) if ledger.blocks
+                or ledger.quota_evictions or ledger.quota_refused}
+
+    def reserve_quota(self, key: BlockKey, size: int) -> list[DropBlock] | None:
+        """Make room under its tenant's quota for the new block `key` of `size` bytes (module
+        docstring): the blocks dropped (already gone from the index and hot; the caller deletes them
+        from the tiers named), or None when the put must be refused."""
+        quota = self.quota_of(key.tenant_tag)
+        if quota <= 0:
+            return []
+        ledger = self._ledger(key.tenant_tag)
+        must_free = ledger.num_bytes + size - quota
+        if must_free <= 0:
+            return []
+        candidates = []
+        for ident in ledger.blocks:
+            tag, h = ident
+            e = self._models[tag][h]
+            if ident in self._pins or e.tiers == 0 or ident == (key.model_tag, key.block_hash):
+                continue  # pinned, or a demotion is writing it right now
+            candidates.append((e.last_hit // QUOTA_RECENCY_GRAIN_S, -e.depth, tag, h, e))
+        if size > quota or sum(c[-1].size for c in candidates) < must_free:
+            ledger.quota_refused += 1
+            return None
+        want_free = max(must_free, ledger.num_bytes + size - int(quota * QUOTA_EVICT_TO))
+        candidates.sort(key=lambda c: c[:4])
+        drops: list[DropBlock] = []
+        freed = 0
+        for *_, tag, h, e in candidates:
+            if freed >= want_free:
+                break
+            freed += e.size
+            drops.append(self._drop(tag, h, e))
+        ledger.quota_evictions += len(drops)
+        return drops
+
+    def _drop(self, tag: str, block_hash: bytes, e: Entry) -> DropBlock:
+        """Forget a block everywhere in the core; the DropBlock says what storage still holds it."""
+        key = e.key(tag, block_hash)
+        self.hot.delete(key)
+        models = self._models[tag]
+        del models[block_hash]
+        if not models:
+            del self._models[tag]
+        self._unaccount(tag, block_hash, e)
+        return DropBlock(key, e.tiers & (WARM | COLD))
+
+    def forget_tenant(self, tenant_tag: str, tag: str | None = None) -> list[DropBlock]:
+        """Drop every block of a tenant (of one model tag, or all) from the index and hot, pins
+        included (an admin clear); returns what the caller must delete from the tiers.
+
+        Blocks the index does not know (a rebuild still running) are covered by a storage purge queued
+        in `pending_tenant_purges`."""
+        self.pending_tenant_purges.add((ALL_TAGS if tag is None else tag, tenant_tag))
+        ledger = self._ledgers.get(tenant_tag)
+        if ledger is None:
+            return []
+        drops = []
+        for t, h in sorted(ledger.blocks):
+            if tag is None or t == tag:
+                e = self._models[t][h]
+                self._pins.discard((t, h))
+                self.hot.unpin(e.key(t, h))
+                drops.append(self._drop(t, h, e))
+        return drops
 
     # --- writes -----------------------------------------------------------------------------------
     def admit_put(self, key: BlockKey) -> str:
@@ -226,12 +374,12 @@ class PoolCore:
         self.counters.puts += 1
         return "store"
 
-    def put_hot(self, key: BlockKey, data: bytes, now: float) -> list[Action]:
+    def put_hot(self, key: BlockKey, data: bytes, now: float, depth: int | None = None) -> list[Action]:
         """Store in hot (put or promotion); returns demotions for what that evicted."""
-        if key in self._pins:
+        if self.is_pinned(key):
             self.hot.pin(key)
         if self.hot.put(key, data):
-            self.note_stored(key, HOT, len(data), now, last_hit=now)
+            self.note_stored(key, HOT, len(data), now, last_hit=now, depth=depth)
         else:
             self.counters.hot_refused += 1
             e = self.entry(key)
@@ -316,45 +464,46 @@ class PoolCore:
 
     # --- lifecycle --------------------------------------------------------------------------------
     def sweep(self, now: float, warm_up: bool, cold_up: bool) -> list[Action]:
-        """Archival, warm lease renewal and cold TTL decisions, oldest idle first (ties by key)."""
-        candidates: list[tuple[float, BlockKey, Entry]] = []
-        for tag, models in self._models.items():
-            if tag in self._invalidated:
-                continue  # the purge handles these
-            for h, e in models.items():
-                candidates.append((e.last_hit, BlockKey(tag, h), e))
-        candidates.sort(key=lambda c: (c[0], c[1]))
-        actions: list[Action] = []
-        for last_hit, key, e in candidates:
-            if key in self._pins:
-                continue
-            idle = now - last_hit
-            if e.tiers & WARM and warm_up:
-                if idle >= self.archive_after_s and self.has_cold and cold_up:
-                    actions.append(Archive(key, bool(e.tiers & COLD)))
-                elif now - e.warm_touch >= self.warm_ttl_s - self.renew_margin_s:
-                    actions.append(RenewWarm(key))
-            elif (e.tiers == COLD and cold_up and self.cold_ttl_s > 0 and idle >= self.cold_ttl_s):
-                actions.append(ExpireCold(key))
-        return actions
+        """Archival, warm lease renewal and cold TTL decisions, oldest idle first (ties by key).
+
+        The whole index in one call; the service walks it in slices instead (`begin_sweep`)."""
+        sweep = self.begin_sweep(now, warm_up, cold_up)
+        sweep.step()
+        return sweep.actions()
+
+    def begin_sweep(self, now: float, warm_up: bool, cold_up: bool) -> "SweepPass":
+        """A sweep to run in bounded steps (`SweepPass.step`), so a large index never holds the caller
+        for long; run to the end in one step it decides exactly what `sweep` does."""
+        return SweepPass(self, now, warm_up, cold_up)
 
     # --- pins -------------------------------------------------------------------------------------
-    def pin(self, model_fingerprint: str, chain: Iterable[bytes]) -> list[BlockKey]:
-        keys = [BlockKey.of(model_fingerprint, h) for h in chain]
+    def _keys_of(self, model_fingerprint: str, chain: Iterable[bytes], tenant_tag: str) -> list[BlockKey]:
+        """Storage keys of a chain: the owner the index knows, else `tenant_tag` (a pin may come first)."""
+        keys = []
+        for h in chain:
+            key = BlockKey.of(model_fingerprint, h, tenant_tag)
+            e = self.entry(key)
+            keys.append(key if e is None else e.key(key.model_tag, key.block_hash))
+        return keys
+
+    def pin(self, model_fingerprint: str, chain: Iterable[bytes],
+            tenant_tag: str = ANONYMOUS_TENANT_TAG) -> list[BlockKey]:
+        keys = self._keys_of(model_fingerprint, chain, tenant_tag)
         for key in keys:
-            self._pins.add(key)
+            self._pins.add((key.model_tag, key.block_hash))
             self.hot.pin(key)
         return keys
 
     def restore_pin(self, key: BlockKey) -> None:
         """A pin found in storage (a warm block without expiry) during an index rebuild."""
-        self._pins.add(key)
+        self._pins.add((key.model_tag, key.block_hash))
         self.hot.pin(key)
 
-    def unpin(self, model_fingerprint: str, chain: Iterable[bytes]) -> list[BlockKey]:
-        keys = [BlockKey.of(model_fingerprint, h) for h in chain]
+    def unpin(self, model_fingerprint: str, chain: Iterable[bytes],
+              tenant_tag: str = ANONYMOUS_TENANT_TAG) -> list[BlockKey]:
+        keys = self._keys_of(model_fingerprint, chain, tenant_tag)
         for key in keys:
-            self._pins.discard(key)
+            self._pins.discard((key.model_tag, key.block_hash))
             self.hot.unpin(key)
         return keys
 
@@ -388,7 +537,10 @@ class PoolCore:
         tags = list(self._models) if tag is None else [tag]
         dropped = 0
         for t in tags:
-            dropped += len(self._models.pop(t, {}))
+            models = self._models.pop(t, {})
+            for h, e in models.items():
+                self._unaccount(t, h, e)
+            dropped += len(models)
             self.hot.clear(t)
         self.pending_purges.add(ALL_TAGS if tag is None else tag)
         for held in self._workers.values():
@@ -444,16 +596,137 @@ class PoolCore:
 
     # --- stats ------------------------------------------------------------------------------------
     def tier_totals(self) -> dict[str, tuple[int, int]]:
-        """(blocks, bytes) per tier as the index knows them."""
-        totals = {"hot": [0, 0], "warm": [0, 0], "cold": [0, 0]}
+        """(blocks, bytes) per tier as the index knows them (hot: exactly what the LRU holds).
+
+        Walks the whole index (about 60 ns a block): fine for an admin request, too slow for a timer
+        on a large index, which should use the totals a sweep collects (`SweepPass.tier_totals`)."""
+        blocks = [0] * 8  # by tier bit set
+        nbytes = [0] * 8
         for models in self._models.values():
             for e in models.values():
-                for name, bit in TIER_BITS.items():
-                    if e.tiers & bit:
-                        totals[name][0] += 1
-                        totals[name][1] += e.size
-        totals["hot"] = [len(self.hot), self.hot.bytes_used]  # exact
-        return {k: (v[0], v[1]) for k, v in totals.items()}
+                t = e.tiers
+                blocks[t] += 1
+                nbytes[t] += e.size
+        return _fold_totals(blocks, nbytes, self.hot)
 
     def num_blocks(self) -> int:
         return sum(len(m) for m in self._models.values())
+
+
+def _fold_totals(blocks: list[int], nbytes: list[int], hot: HotLRU) -> dict[str, tuple[int, int]]:
+    """Per-tier (blocks, bytes) from counts by tier bit set; hot from the LRU itself (exact)."""
+    totals = {name: (sum(blocks[t] for t in range(8) if t & bit), sum(nbytes[t] for t in range(8) if t & bit))
+              for name, bit in TIER_BITS.items()}
+    totals["hot"] = (len(hot), hot.bytes_used)
+    return totals
+
+
+class SweepPass:
+    """One lifecycle sweep (`PoolCore.sweep` rules) walked in bounded steps; pure and deterministic.
+
+    `step(n)` examines at most n index entries and returns True once every entry has been examined;
+    `actions()` then lists the decisions, oldest idle first (ties by key), as `PoolCore.sweep`. The
+    walk covers the model tags and, per tag, the block hashes present when it reaches that tag (one
+    snapshot of the tag's keys, a C-speed copy); each entry is judged from its state at the step that
+    examines it, with the pass's `now`. So between steps the index may change: an entry dropped or
+    invalidated meanwhile is skipped, one added after its tag's snapshot waits for the next sweep, and
+    a pin or hit that lands after its entry was examined applies from the next sweep (the service
+    re-checks nothing: a renewal or archival of a block hit a moment ago is harmless). Run in one step
+    (`step()` with no limit) the result is exactly `PoolCore.sweep`'s.
+
+    The pass also counts blocks and bytes per tier over the entries it examined (`tier_totals`), so a
+    service can report warm/cold totals without another walk of the index.
+    """
+
+    def __init__(self, core: PoolCore, now: float, warm_up: bool, cold_up: bool) -> None:
+        self.core = core
+        self.now = now
+        self.warm_up = warm_up
+        self.cold_up = cold_up
+        self.examined = 0
+        self._tags = [t for t in core._models if t not in core._invalidated]
+        self._next_tag = 0
+        self._tag = ""
+        self._models: dict[bytes, Entry] | None = None
+        self._hashes: list[bytes] = []
+        self._pos = 0
+        self._found: list[tuple[float, BlockKey, Action]] = []
+        self._blocks = [0] * 8  # by tier bit set
+        self._bytes = [0] * 8
+
+    @property
+    def done(self) -> bool:
+        return self._models is None and self._next_tag >= len(self._tags)
+
+    def step(self, max_entries: int | None = None) -> bool:
+        """Examine up to `max_entries` more entries (all that are left when None); True when done."""
+        core = self.core
+        budget = max_entries if max_entries is not None else -1
+        while budget != 0:
+            if self._models is None:
+                if self._next_tag >= len(self._tags):
+                    return True
+                self._tag = self._tags[self._next_tag]
+                self._next_tag += 1
+                models = core._models.get(self._tag)
+                if models is None or self._tag in core._invalidated:
+                    continue
+                self._models, self._hashes, self._pos = models, list(models), 0
+            if core._models.get(self._tag) is not self._models or self._tag in core._invalidated:
+                self._models = None  # cleared or invalidated since the snapshot: the purge handles it
+                continue
+            end = len(self._hashes) if budget < 0 else min(len(self._hashes), self._pos + budget)
+            self._examine(self._hashes, self._pos, end)
+            if budget > 0:
+                budget -= end - self._pos
+            self.examined += end - self._pos
+            self._pos = end
+            if end >= len(self._hashes):
+                self._models, self._hashes = None, []
+        return self.done
+
+    def _examine(self, hashes: list[bytes], start: int, end: int) -> None:
+        core, now, tag = self.core, self.now, self._tag
+        get = self._models.get
+        pins = core._pins
+        found = self._found
+        blocks, nbytes = self._blocks, self._bytes
+        warm_up = self.warm_up
+        can_archive = core.has_cold and self.cold_up
+        archive_after = core.archive_after_s
+        renew_after = core.warm_ttl_s - core.renew_margin_s
+        can_expire = self.cold_up and core.cold_ttl_s > 0
+        cold_ttl = core.cold_ttl_s
+        for i in range(start, end):
+            h = hashes[i]
+            e = get(h)
+            if e is None:
+                continue  # dropped since the snapshot
+            t = e.tiers
+            blocks[t] += 1
+            nbytes[t] += e.size
+            if t & WARM and warm_up:
+                if now - e.last_hit >= archive_after and can_archive:
+                    kind = Archive
+                elif now - e.warm_touch >= renew_after:
+                    kind = RenewWarm
+                else:
+                    continue
+            elif t == COLD and can_expire and now - e.last_hit >= cold_ttl:
+                kind = ExpireCold
+            else:
+                continue
+            if (tag, h) in pins:
+                continue
+            key = e.key(tag, h)
+            action = Archive(key, bool(t & COLD)) if kind is Archive else kind(key)
+            found.append((e.last_hit, key, action))
+
+    def actions(self) -> list[Action]:
+        """The decisions so far, oldest idle first (ties by key)."""
+        self._found.sort()  # (last hit, key, action): keys are unique, so actions are never compared
+        return [c[2] for c in self._found]
+
+    def tier_totals(self) -> dict[str, tuple[int, int]]:
+        """(blocks, bytes) per tier over the entries examined (hot: the LRU now, exact)."""
+        return _fold_totals(self._blocks, self._bytes, self.core.hot)

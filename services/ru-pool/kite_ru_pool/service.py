@@ -26,8 +26,8 @@ from kite_shared import recyclable_unit, security, subjects
 from kite_shared.config import RuPoolConfig, TierConfig
 from kite_shared.messages import (
     ErrorInfo, Heartbeat, MessageError, ModelFingerprintChanged, PoolAdminReply, PoolAdminRequest,
-    PoolGetReply, PoolGetRequest, PoolLookupReply, PoolLookupRequest, TierStats, decode_block_event,
-    BlockStored,
+    PoolGetReply, PoolGetRequest, PoolLookupReply, PoolLookupRequest, TenantUsage, TierStats,
+    decode_block_event, decode_or_log, BlockStored,
 )
 from kite_shared.tiers import metrics
 from kite_shared.tiers.base import RemoteTier, TierUnavailable
@@ -35,7 +35,7 @@ from kite_shared.tiers.client import TierClient
 from kite_shared.tiers.keys import BlockKey, model_tag
 from kite_shared.tracing import start_span_from_headers, use_span
 from kite_ru_pool.core import (
-    ALL_TAGS, COLD, HOT, WARM, Archive, Demote, ExpireCold, PoolCore, RenewWarm,
+    ALL_TAGS, COLD, HOT, WARM, Archive, Demote, DropBlock, ExpireCold, PoolCore, RenewWarm,
 )
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,8 @@ GET_REPLY_OVERHEAD_BYTES = 4096  # msgpack framing of PoolGetReply around the un
 MAX_PENDING_WARM_WRITES = 256  # beyond this, write-through is skipped (demotion on eviction covers it)
 WORKER_FORGET_AFTER_S = 30.0  # a worker silent this long (no heartbeat, no events) is presumed gone
 FETCH_CONCURRENCY = 8
+MAX_TENANTS_IN_STATS = 1000  # the largest tenants by bytes; keeps an all-tenant stats reply far under max_payload
+SWEEP_STEP_ENTRIES = 1000  # index entries a sweep examines per event-loop turn (0.2-0.5 ms, 2 vCPU)
 
 
 class PoolService:
@@ -60,12 +62,16 @@ class PoolService:
         self.clock = clock
         self.core = PoolCore(cfg.hot_bytes, cfg.archive_after_s, tier_cfg.warm_ttl_s, tier_cfg.cold_ttl_s,
                              cfg.sweep_interval_s, has_warm=self.warm is not None,
-                             has_cold=self.cold is not None)
+                             has_cold=self.cold is not None, tenant_quota_bytes=cfg.tenant_quota_bytes,
+                             tenant_quotas={security.tenant_tag(name): quota
+                                            for name, quota in cfg.tenant_quota_overrides().items()})
         self.rebuilding = False
         self._background: set[asyncio.Task] = set()
         self._subs: list = []
         self._loops: list[asyncio.Task] = []
         self._pending_warm_writes = 0
+        self._writing: set[BlockKey] = set()  # write-throughs in flight
+        self._dropped_while_writing: set[BlockKey] = set()  # ... whose block was dropped meanwhile
         self._warm_resync = asyncio.Event()
         self._wake = asyncio.Event()
         if self.warm is not None:
@@ -86,10 +92,20 @@ class PoolService:
             await self.nc.subscribe(subjects.heartbeat("worker"), cb=self._guard(self._on_worker_heartbeat)),
         ]
         self.rebuilding = True
-        self._spawn(self._rebuild(), "index rebuild")
+        # issue 4: keep the cyclic GC off the index (kite_ru_pool.gc_freeze; only the service process
+        # sets freeze_gc) and measure how late the event loop runs (kite_pool_event_loop_lag_seconds)
+        from kite_ru_pool.gc_freeze import IndexGcFreezer
+        from kite_ru_pool.telemetry import loop_lag_probe, publish_loop
+        self._gc = IndexGcFreezer(enabled=getattr(self, "freeze_gc", False))
+        self._swept_totals: dict[str, tuple[int, int]] | None = None
+
+        async def rebuild() -> None:
+            await self._rebuild()
+            self._gc.freeze(self.core.num_blocks())
+        self._spawn(rebuild(), "index rebuild")
         self._loops.append(asyncio.create_task(self._sweep_loop()))
+        self._loops.append(asyncio.create_task(loop_lag_probe()))
         # issue 5: tier health, fill and hit rates for the arbitrator, every KITE_TELEMETRY_INTERVAL_S
-        from kite_ru_pool.telemetry import publish_loop
         self._loops.append(asyncio.create_task(publish_loop(self, getattr(self, "instance_id", "ru-pool"),
                                                             self.cfg.telemetry_interval_s)))
 
@@ -160,7 +176,7 @@ class PoolService:
         self.put_bytes(msg.data)
 
     def put_bytes(self, data: bytes) -> str:
-        """Verify and store one encoded unit; returns the core's decision or "corrupt"."""
+        """Verify and store one encoded unit; returns the core's decision, "corrupt" or "over_quota"."""
         try:
             unit = recyclable_unit.decode(data, key=self.ru_key)
         except recyclable_unit.RUError as exc:
@@ -169,31 +185,47 @@ class PoolService:
                 metrics.TIER_INTEGRITY_FAILURES.labels("hot").inc()
             log.warning("refused a put: not an intact recyclable unit (%s: %s)", type(exc).__name__, exc)
             return "corrupt"
-        key = BlockKey.of(unit.model_fingerprint, unit.block_hash)
+        key = BlockKey.of(unit.model_fingerprint, unit.block_hash, unit.tenant_tag)
         decision = self.core.admit_put(key)
         if decision != "store":
             return decision
+        drops = self.core.reserve_quota(key, len(data))
+        if drops is None:
+            metrics.POOL_QUOTA_REFUSED.inc()
+            log.info("refused a put of tenant %s: its pinned blocks fill its quota of %d bytes",
+                     key.tenant_tag, self.core.quota_of(key.tenant_tag))
+            return "over_quota"
+        if drops:
+            metrics.POOL_QUOTA_EVICTIONS.inc(len(drops))
+            for drop in drops:
+                self._drop_stored(drop)
         data = bytes(data)
-        self._put_hot(key, data)
+        self._put_hot(key, data, depth=unit.block_index)
         if self.warm is not None:
             if self._pending_warm_writes >= MAX_PENDING_WARM_WRITES:
                 self.core.counters.warm_writes_dropped += 1
             else:
                 self._pending_warm_writes += 1
-                self._spawn(self._write_through(key, data), "warm write-through")
+                self._spawn(self._write_through(key, data, unit.block_index), "warm write-through")
         elif not self.core.tiers_of(key) & HOT and self.cold is not None:
             self._spawn(self._demote(Demote(key, data, COLD)), "cold write")
         return decision
 
-    async def _write_through(self, key: BlockKey, data: bytes) -> None:
+    async def _write_through(self, key: BlockKey, data: bytes, depth: int) -> None:
+        self._writing.add(key)
         try:
             if await self.warm.put(key, data, pinned=self.core.is_pinned(key)):
-                self.core.note_stored(key, WARM, len(data), self.clock())
+                if key in self._dropped_while_writing:
+                    await self.warm.delete(key)  # a quota eviction or clear took it meanwhile
+                    return
+                self.core.note_stored(key, WARM, len(data), self.clock(), depth=depth)
             elif not self.core.tiers_of(key) and self.cold is not None:
                 # Neither hot (did not fit) nor warm (down) holds it: keep it in cold rather than lose it.
                 await self._demote(Demote(key, data, COLD))
         finally:
             self._pending_warm_writes -= 1
+            self._writing.discard(key)
+            self._dropped_while_writing.discard(key)
 
     # --- lookup ---------------------------------------------------------------------------------
     async def _on_lookup(self, msg: Msg) -> None:
@@ -234,12 +266,15 @@ class PoolService:
             budget = self.nc.max_payload - GET_REPLY_OVERHEAD_BYTES
             if req.max_bytes > 0:
                 budget = min(budget, req.max_bytes)
-            reply = await self.get_blocks(req.model_fingerprint, req.block_hashes, budget)
+            reply = await self.get_blocks(req.model_fingerprint, req.block_hashes, budget,
+                                          security.tenant_tag(req.tenant))
         if msg.reply:
             await msg.respond(reply.encode())
 
-    async def get_blocks(self, model_fingerprint: str, hashes: list[bytes], budget: int) -> PoolGetReply:
-        """Leading verified units of `hashes` within `budget` bytes, promoting what it reads."""
+    async def get_blocks(self, model_fingerprint: str, hashes: list[bytes], budget: int,
+                         tenant_tag: str = security.ANONYMOUS_TENANT_TAG) -> PoolGetReply:
+        """Leading verified units of `hashes` (blocks of tenant `tenant_tag`) within `budget` bytes,
+        promoting what it reads."""
         if self.core.is_invalidated(model_fingerprint):
             return PoolGetReply(error=ErrorInfo(
                 code="invalidated", message="this model fingerprint was replaced; its blocks are gone"))
@@ -248,7 +283,7 @@ class PoolService:
         total = 0
         i = 0
         while i < len(hashes):
-            key = BlockKey.of(model_fingerprint, hashes[i])
+            key = BlockKey.of(model_fingerprint, hashes[i], tenant_tag)
             started = time.perf_counter()
             data = self.core.hot_get(key, self.clock())
             if data is not None:
@@ -266,7 +301,8 @@ class PoolService:
                        and not self.core.tiers_of(BlockKey.of(model_fingerprint, hashes[j])) & HOT):
                     batch.append(hashes[j])
                     j += 1
-                results = await asyncio.gather(*(self._fetch_remote(model_fingerprint, h) for h in batch))
+                results = await asyncio.gather(*(self._fetch_remote(model_fingerprint, h, tenant_tag)
+                                                 for h in batch))
                 found = []
                 for r in results:
                     if r is None:
@@ -289,16 +325,20 @@ class PoolService:
                 break
         return PoolGetReply(units=units, tiers=bytes(letters), complete=True)
 
-    async def _fetch_remote(self, model_fingerprint: str, block_hash: bytes) -> tuple[bytes, str] | None:
+    async def _fetch_remote(self, model_fingerprint: str, block_hash: bytes,
+                            tenant_tag: str) -> tuple[bytes, str] | None:
         """A verified unit from warm, else cold, promoted on the way; None on a miss."""
-        key = BlockKey.of(model_fingerprint, block_hash)
-        known = self.core.tiers_of(key)
+        key = BlockKey.of(model_fingerprint, block_hash, tenant_tag)
+        entry = self.core.entry(key)
+        if entry is not None and entry.tenant_tag != tenant_tag:
+            return None  # another tenant's block: a miss, and no reason to doubt the index
+        known = 0 if entry is None else entry.tiers
         # While the index is rebuilding it may not know the block yet: ask the tiers anyway.
         try_all = self.rebuilding and not known
         for tier, bit, letter in ((self.warm, WARM, "w"), (self.cold, COLD, "c")):
             if tier is None or not (known & bit or try_all):
                 continue
-            found = await tier.get_unit(model_fingerprint, block_hash)
+            found = await tier.get_unit(model_fingerprint, block_hash, tenant_tag)
             if found is None:
                 if known & bit and tier.up:
                     self.core.note_missing(key, bit)  # expired, deleted or corrupt: not there any more
@@ -324,10 +364,10 @@ class PoolService:
             metrics.TIER_PROMOTIONS.inc()
 
     # --- demotion, archival, renewal, expiry -------------------------------------------------------
-    def _put_hot(self, key: BlockKey, data: bytes) -> bool:
+    def _put_hot(self, key: BlockKey, data: bytes, depth: int | None = None) -> bool:
         """Put into hot through the core, counting evictions and starting the demotions they need."""
         before = self.core.counters.hot_evictions
-        actions = self.core.put_hot(key, data, self.clock())
+        actions = self.core.put_hot(key, data, self.clock(), depth)
         evicted = self.core.counters.hot_evictions - before
         if evicted:
             metrics.TIER_EVICTIONS.labels("hot").inc(evicted)
@@ -351,6 +391,18 @@ class PoolService:
                 return
         log.debug("demotion of %s failed: no slower tier took it", action.key.short())
         self.core.demotion_failed(action.key)
+
+    def _drop_stored(self, drop: DropBlock) -> asyncio.Task:
+        """Delete a block the core just dropped (quota, tenant clear) from the tiers that held it, and
+        from warm too if a write-through of it is still running."""
+        if drop.key in self._writing:
+            self._dropped_while_writing.add(drop.key)
+
+        async def delete() -> None:
+            for tier, bit in ((self.warm, WARM), (self.cold, COLD)):
+                if tier is not None and drop.tiers & bit:
+                    await tier.delete(drop.key)  # a tier that is down keeps it until TTL or a rebuild
+        return self._spawn(delete(), "deletion of a dropped block")
 
     async def _lifecycle(self, action: Archive | RenewWarm | ExpireCold) -> None:
         key = action.key
@@ -433,7 +485,14 @@ class PoolService:
             self.core.forget_worker(worker_id)
         warm_up = self.warm is not None and self.warm.up
         cold_up = self.cold is not None and self.cold.up
-        actions = self.core.sweep(now, warm_up, cold_up)
+        # Walk the index SWEEP_STEP_ENTRIES at a time, letting lookups run in between (core.SweepPass).
+        sweep = self.core.begin_sweep(now, warm_up, cold_up)
+        while not sweep.step(SWEEP_STEP_ENTRIES):
+            await asyncio.sleep(0)
+        self._swept_totals = sweep.tier_totals()
+        actions = sweep.actions()
+        if not self.rebuilding and hasattr(self, "_gc"):
+            self._gc.maybe_freeze(self.core.num_blocks())
         sem = asyncio.Semaphore(FETCH_CONCURRENCY)
 
         async def run(action) -> None:
@@ -507,31 +566,41 @@ class PoolService:
                  len(present), len(lost), len(backlog))
 
     async def _purge_pending(self) -> None:
+        """Delete from storage what invalidations and clears queued (by listing, so blocks the index
+        never learned about go too); a purge a tier could not finish stays queued for the next sweep."""
         for tag in sorted(self.core.pending_purges):
-            complete = True
-            deleted = 0
-            for tier in self.tiers.tiers:
-                try:
-                    keys = [item.key async for item in tier.iter_keys(None if tag == ALL_TAGS else tag)]
-                except TierUnavailable as exc:
-                    log.warning("purge of %s on %s postponed: %s", tag, tier.name, exc)
-                    complete = False
-                    continue
-                n = await tier.delete_many(keys)
-                deleted += n
-                if n < len(keys) and not tier.up:
-                    complete = False
-            self.core.counters.purged += deleted
-            if complete:
+            what = "every model" if tag == ALL_TAGS else f"model {tag}"
+            if await self._purge_listed(None if tag == ALL_TAGS else tag, None, what):
                 self.core.purge_done(tag)
-                log.info("purged %d stored blocks of %s", deleted, "every model" if tag == ALL_TAGS else tag)
+        for tag, tenant in sorted(self.core.pending_tenant_purges):
+            what = f"tenant {tenant}" + ("" if tag == ALL_TAGS else f", model {tag}")
+            if await self._purge_listed(None if tag == ALL_TAGS else tag, tenant, what):
+                self.core.pending_tenant_purges.discard((tag, tenant))
+
+    async def _purge_listed(self, tag: str | None, tenant_tag: str | None, what: str) -> bool:
+        complete = True
+        deleted = 0
+        for tier in self.tiers.tiers:
+            try:
+                keys = [item.key async for item in tier.iter_keys(tag)
+                        if tenant_tag is None or item.key.tenant_tag == tenant_tag]
+            except TierUnavailable as exc:
+                log.warning("purge of %s on %s postponed: %s", what, tier.name, exc)
+                complete = False
+                continue
+            n = await tier.delete_many(keys)
+            deleted += n
+            if n < len(keys) and not tier.up:
+                complete = False
+        self.core.counters.purged += deleted
+        if complete:
+            log.info("purged %d stored blocks of %s", deleted, what)
+        return complete
 
     # --- events -----------------------------------------------------------------------------------
     async def _on_block_event(self, msg: Msg) -> None:
-        try:
-            ev = decode_block_event(msg.data)
-        except MessageError as exc:
-            log.warning("bad block event: %s", exc)
+        ev = decode_or_log(decode_block_event, msg.data, log, "bad block event")
+        if ev is None:
             return
         now = self.clock()
         if isinstance(ev, BlockStored):
@@ -541,10 +610,8 @@ class PoolService:
                                      ev.seq, now)
 
     async def _on_worker_heartbeat(self, msg: Msg) -> None:
-        try:
-            hb = Heartbeat.decode(msg.data)
-        except MessageError as exc:
-            log.debug("bad worker heartbeat: %s", exc)
+        hb = decode_or_log(Heartbeat.decode, msg.data, log, "bad worker heartbeat", level=logging.DEBUG)
+        if hb is None:
             return
         if hb.draining:
             self.core.forget_worker(hb.instance_id)
@@ -552,10 +619,8 @@ class PoolService:
             self.core.worker_alive(hb.instance_id, self.clock())
 
     async def _on_model_fingerprint(self, msg: Msg) -> None:
-        try:
-            ev = ModelFingerprintChanged.decode(msg.data)
-        except MessageError as exc:
-            log.warning("bad model fingerprint event: %s", exc)
+        ev = decode_or_log(ModelFingerprintChanged.decode, msg.data, log, "bad model fingerprint event")
+        if ev is None:
             return
         tags = self.core.model_fingerprint_changed(ev.model_name, ev.model_fingerprint,
                                                    ev.previous_fingerprint)
@@ -576,14 +641,20 @@ class PoolService:
             await msg.respond(reply.encode())
 
     async def admin(self, req: PoolAdminRequest) -> PoolAdminReply:
+        tenant_tag = security.tenant_tag(req.tenant) if req.tenant else None
         if req.op == "stats":
-            return self.stats()
+            return self.stats(tenant_tag)
         if req.op in ("pin", "unpin", "purge") and not req.model_fingerprint:
             return PoolAdminReply(ok=False, error=ErrorInfo(
                 code="bad_request", message=f"{req.op} needs model_fingerprint", param="model_fingerprint"))
         if req.op == "clear":
             tag = model_tag(req.model_fingerprint) if req.model_fingerprint else None
-            affected = self.core.forget_tag(tag)
+            if tenant_tag is None:
+                affected = self.core.forget_tag(tag)
+            else:
+                drops = self.core.forget_tenant(tenant_tag, tag)
+                await asyncio.gather(*(self._drop_stored(d) for d in drops), return_exceptions=True)
+                affected = len(drops)
             await self._purge_pending()
             return PoolAdminReply(ok=True, affected=affected)
         if req.op == "purge":
@@ -593,12 +664,14 @@ class PoolService:
             await self._purge_pending()
             return PoolAdminReply(ok=True, affected=affected)
         if req.op == "pin":
-            keys = self.core.pin(req.model_fingerprint, req.block_hashes)
+            keys = self.core.pin(req.model_fingerprint, req.block_hashes,
+                                 tenant_tag or security.ANONYMOUS_TENANT_TAG)
             affected = 0
             for key, h in zip(keys, req.block_hashes):
                 affected += await self._pin_storage(req.model_fingerprint, key, h)
             return PoolAdminReply(ok=True, affected=affected)
-        keys = self.core.unpin(req.model_fingerprint, req.block_hashes)
+        keys = self.core.unpin(req.model_fingerprint, req.block_hashes,
+                               tenant_tag or security.ANONYMOUS_TENANT_TAG)
         affected = 0
         for key in keys:
             if self.warm is not None and self.core.tiers_of(key) & WARM:
@@ -623,7 +696,7 @@ class PoolService:
             tiers = self.core.tiers_of(key)
         data = self.core.hot.peek(key)
         if data is None and tiers & COLD:
-            found = await self.cold.get_unit(model_fingerprint, block_hash)
+            found = await self.cold.get_unit(model_fingerprint, block_hash, key.tenant_tag)
             if found is not None:
                 data = found[1]
                 self._put_hot(key, data)
@@ -631,8 +704,19 @@ class PoolService:
             self.core.note_stored(key, WARM, len(data), self.clock())
         return 1 if self.core.tiers_of(key) else 0
 
-    def stats(self) -> PoolAdminReply:
-        totals = self.core.tier_totals()
+    def stats(self, tenant_tag: str | None = None, exact_totals: bool = True,
+              with_tenants: bool = True) -> PoolAdminReply:
+        """Tier and counter stats, and tenant usage (of `tenant_tag` only, when given).
+
+        Warm and cold blocks/bytes walk the whole index; with `exact_totals=False` (the telemetry
+        timer) they are the last sweep's count instead, or one walk's, kept until the next sweep.
+        `with_tenants=False` (the telemetry timer too) leaves out the per-tenant usage."""
+        if exact_totals:
+            totals = self.core.tier_totals()
+        else:
+            if self._swept_totals is None:
+                self._swept_totals = self.core.tier_totals()
+            totals = dict(self._swept_totals, hot=(len(self.core.hot), self.core.hot.bytes_used))
         c = self.core.counters
 
         def tier_stats(name: str, tier: RemoteTier | None, hits: int, misses: int, up: bool,
@@ -649,5 +733,13 @@ class PoolService:
         counters = dataclasses.asdict(c)
         counters["rebuilding"] = int(self.rebuilding)
         counters["index_blocks"] = self.core.num_blocks()
-        counters["pending_purges"] = len(self.core.pending_purges)
-        return PoolAdminReply(ok=True, tiers=tiers, counters=counters)
+        counters["pending_purges"] = len(self.core.pending_purges) + len(self.core.pending_tenant_purges)
+        ledgers = self.core.tenant_usage(tenant_tag) if with_tenants else {}
+        if with_tenants:
+            counters["tenants"] = len(ledgers)
+        largest = sorted(ledgers.items(), key=lambda item: -item[1].num_bytes)[:MAX_TENANTS_IN_STATS]
+        tenants = {t: TenantUsage(blocks=len(ledger.blocks), bytes=ledger.num_bytes,
+                                  quota_bytes=self.core.quota_of(t), quota_evictions=ledger.quota_evictions,
+                                  quota_refused=ledger.quota_refused)
+                   for t, ledger in largest}
+        return PoolAdminReply(ok=True, tiers=tiers, counters=counters, tenants=tenants)

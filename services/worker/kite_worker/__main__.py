@@ -19,10 +19,10 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 from kite_shared import model_store, subjects
 from kite_shared.config import ModelConfig, TierConfig, WorkerConfig, load
 from kite_shared.messages import (Admission, Cancel, ErrorInfo, Message, MessageError, StreamEnd, StreamError,
-                                  TokenizedRequest)
+                                  TokenizedRequest, decode_or_log)
 from kite_shared.recyclable_unit import TORCH_DTYPE_TO_CODEC, RecyclableUnit
 from kite_shared.security import ru_key
-from kite_shared.service import ServiceRuntime, request_id_var, run_service
+from kite_shared.service import ServiceRuntime, exit_on_signal_until_connected, request_id_var, run_service
 from kite_shared.tiers.client import TierClient
 from kite_shared.tiers.pool_client import PoolClient
 from kite_shared.tracing import start_span_from_headers, use_span
@@ -206,7 +206,7 @@ class WorkerService:
             engine = self.loaded.engine
             self.loader.cost.prefill_seconds_per_token = engine.prefill_seconds_per_token
             num_local = engine.block_cache.longest_prefix(seq.prompt_hashes)
-            seq.prefetched = await self.loader.load(seq.prompt_hashes, num_local)
+            seq.prefetched = await self.loader.load(seq.prompt_hashes, num_local, seq.request.tenant)
             POOL_BLOCKS_LOADED.inc(len(seq.prefetched))
         except Exception:
             log.exception("loading pool blocks for %s failed; computing them", seq.request_id)
@@ -220,10 +220,9 @@ class WorkerService:
             await msg.respond(admission.encode())
 
     async def on_cancel(self, msg: Msg) -> None:
-        try:
-            self.scheduler.cancel(Cancel.decode(msg.data).request_id)
-        except MessageError as exc:
-            log.warning("bad cancel message: %s", exc)
+        cancel = decode_or_log(Cancel.decode, msg.data, log, "bad cancel message")
+        if cancel is not None:
+            self.scheduler.cancel(cancel.request_id)
 
     # --- engine thread -> asyncio -------------------------------------------------------------------
 
@@ -302,6 +301,7 @@ class WorkerService:
             model_fingerprint=self.loaded.identity.fingerprint_hex, block_index=block.block_index,
             num_tokens=kv.shape[3], codec=TORCH_DTYPE_TO_CODEC[str(kv.dtype).removeprefix("torch.")],
             shape=tuple(kv.shape), payload=kv.contiguous().view(torch.uint8).numpy().tobytes(),
+            tenant_tag=block.tenant_tag,
         ).encode(key=ru_key())
 
     async def drain(self) -> None:
@@ -326,6 +326,7 @@ class WorkerService:
 
 
 def main() -> None:
+    exit_on_signal_until_connected("worker")  # loading the model takes a while: SIGTERM ends it
     model_cfg = load(ModelConfig)
     worker_cfg = load(WorkerConfig)
     loaded = load_engine(model_cfg, worker_cfg)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable
 from nats.aio.msg import Msg
 
 from kite_shared import subjects
-from kite_shared.messages import MessageError, TokenizedRequest
+from kite_shared.messages import TokenizedRequest, decode_or_log
 from kite_shared.telemetry import WRITE_POLICIES, Decision, WorkerTelemetry
 
 if TYPE_CHECKING:
@@ -174,12 +174,8 @@ class WorkerControl:
 
     # --- decisions ------------------------------------------------------------------------------------
     async def _on_decision(self, msg: Msg) -> None:
-        try:
-            d = Decision.decode(msg.data)
-        except MessageError as exc:
-            log.warning("bad decision: %s", exc)
-            return
-        if d.target not in ("*", self.rt.instance_id):
+        d = decode_or_log(Decision.decode, msg.data, log, "bad decision")
+        if d is None or d.target not in ("*", self.rt.instance_id):
             return
         if d.action == "write_policy" and d.write_policy and d.write_policy != self.writes.policy:
             log.info("write policy %s -> %s (decision %s: %s)", self.writes.policy, d.write_policy,

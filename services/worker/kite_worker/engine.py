@@ -29,6 +29,7 @@ from transformers import DynamicCache
 from kite_shared.fingerprint import BlockHash, block_hash_chain
 from kite_shared.messages import TokenizedRequest
 from kite_shared.model_store import ModelIdentity
+from kite_shared.security import tenant_tag
 from kite_worker.block_cache import BlockCache
 from kite_worker.detokenize import IncrementalDetokenizer, StopStringMatcher
 from kite_worker.kv_blocks import build_cache, extract_blocks
@@ -53,6 +54,7 @@ class NewBlock:
     parent_hash: bytes
     block_index: int
     kv: torch.Tensor  # [L, 2, H, block_size, D] in the storage dtype
+    tenant_tag: str  # security.tenant_tag of the request's tenant: the pool accounts the block to it
 
 
 @dataclass
@@ -259,11 +261,12 @@ class Engine:
             tensors = extract_blocks(seq.cache, missing[0], missing[-1] + 1, self.options.block_size,
                                      self.options.storage_dtype)
         new_blocks = []
+        owner = tenant_tag(seq.request.tenant)
         for i in missing:
             kv = tensors[i - missing[0]]
             if self.block_cache.put(hashes[i], kv):
                 parent = hashes[i - 1] if i > 0 else self.identity.root
-                new_blocks.append(NewBlock(hashes[i], parent, i, kv))
+                new_blocks.append(NewBlock(hashes[i], parent, i, kv, owner))
         return new_blocks
 
 

@@ -11,8 +11,8 @@ Cost model (the LMCache lesson, #1639: a slow tier must never make a hit slower 
                         latency[tier] + bytes[tier] / bandwidth[tier]
     recompute_time(k) = k * block_size * prefill_seconds_per_token   (measured by the engine)
 The loader takes the longest run of missing blocks whose estimated fetch time is below its recompute
-time, and gives the fetch a deadline of that recompute time; whatever leading blocks arrived by then are
-used, the rest is computed. Each tier's bandwidth is an exponentially weighted average over this worker's
+time, and gives the fetch a deadline of that recompute time; a fetch that misses its deadline loads
+nothing and the whole run is computed (so a hit never costs more than the miss plus that deadline). Each tier's bandwidth is an exponentially weighted average over this worker's
 own fetches (wall time of whole fetches, so it folds latency in), seeded with conservative guesses.
 """
 
@@ -30,6 +30,7 @@ import torch
 from kite_shared import recyclable_unit
 from kite_shared.fingerprint import BlockHash
 from kite_shared.recyclable_unit import RecyclableUnit, RUError
+from kite_shared.security import ANONYMOUS_TENANT, tenant_tag
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +100,11 @@ class PoolLoader:
         self.num_loads_timed_out = 0
         self.num_rejected = 0
 
-    async def load(self, hashes: Seq[BlockHash], num_local: int) -> list[tuple[BlockHash, torch.Tensor]]:
+    async def load(self, hashes: Seq[BlockHash], num_local: int,
+                   tenant: str = ANONYMOUS_TENANT) -> list[tuple[BlockHash, torch.Tensor]]:
         """Leading blocks after the first `num_local` (already in the worker cache) that the pool has and
-        that are cheaper to load than to compute; verified and ready to insert.
+        that are cheaper to load than to compute; verified and ready to insert. `tenant` is the
+        request's: its blocks are stored under its tenant tag.
 
         Loads run one at a time and loaded blocks stay staged (a small LRU) until the engine has them:
         requests queued behind each other with the same prefix share one copy of its blocks instead of
@@ -115,7 +118,8 @@ class PoolLoader:
                     break
                 self._staged.move_to_end(block_hash)
                 staged.append((block_hash, tensor))
-            fetched = await self._load_uncached(missing[len(staged):]) if len(staged) < len(missing) else []
+            fetched = (await self._load_uncached(missing[len(staged):], tenant)
+                       if len(staged) < len(missing) else [])
             for block_hash, tensor in fetched:
                 self._stage(block_hash, tensor)
             return staged + fetched
@@ -130,7 +134,7 @@ class PoolLoader:
             _, old = self._staged.popitem(last=False)
             self._staged_bytes -= old.numel() * old.element_size()
 
-    async def _load_uncached(self, missing: list[BlockHash]) -> list[tuple[BlockHash, torch.Tensor]]:
+    async def _load_uncached(self, missing: list[BlockHash], tenant: str) -> list[tuple[BlockHash, torch.Tensor]]:
         lookup = await self.pool.lookup(self.model_fingerprint, [bytes(h) for h in missing],
                                         include_workers=False)
         if lookup is None or lookup.invalidated or lookup.pool == 0:
@@ -142,21 +146,23 @@ class PoolLoader:
         deadline_s = self.cost.recompute_seconds(num_to_load)
         wanted = missing[:num_to_load]
         try:
-            units = await asyncio.wait_for(self._fetch(wanted, letters[:num_to_load]), timeout=deadline_s)
+            units = await asyncio.wait_for(self._fetch(wanted, letters[:num_to_load], tenant), timeout=deadline_s)
         except asyncio.TimeoutError:
             self.num_loads_timed_out += 1
             log.info("pool fetch of %d blocks passed its %.3f s budget; computing instead", num_to_load, deadline_s)
             return []
         loaded = []
+        owner = tenant_tag(tenant)
         for block_hash, data in zip(wanted, units):
-            tensor = self._to_tensor(block_hash, data)
+            tensor = self._to_tensor(block_hash, data, owner)
             if tensor is None:
                 break
             loaded.append((block_hash, tensor))
         self.num_blocks_loaded += len(loaded)
         return loaded
 
-    async def _fetch(self, hashes: list[BlockHash], letters: bytes) -> list[bytes | RecyclableUnit | None]:
+    async def _fetch(self, hashes: list[BlockHash], letters: bytes,
+                     tenant: str) -> list[bytes | RecyclableUnit | None]:
         """Units in order, fetched concurrently per tier: encoded bytes from the pool (to verify here),
         decoded units from direct tier reads (verified by the tier client), None where none could be had."""
         results: list[bytes | RecyclableUnit | None] = [None] * len(hashes)
@@ -167,24 +173,39 @@ class PoolLoader:
             if not from_pool:
                 return
             started = time.perf_counter()
-            units = await self.pool.get(self.model_fingerprint, [bytes(hashes[i]) for i in from_pool])
+            units = await self.pool.get(self.model_fingerprint, [bytes(hashes[i]) for i in from_pool],
+                                        tenant=tenant)
             self.cost.tiers["h"].observe(time.perf_counter() - started, sum(map(len, units)))
             for i, data in zip(from_pool, units):
                 results[i] = data
 
+        # Direct reads run concurrently: each tier is observed once per fetch, its bytes over the wall
+        # time until its last block arrived. (Observing each block over its own wall time would count
+        # the shared bandwidth once per concurrent read: 16 reads would make a tier look 16 times slower
+        # than it is, and the plan would stop using it for good.)
+        direct_started = time.perf_counter()
+        arrived: dict[str, list] = {}  # tier letter -> [bytes, time the last block arrived]
+
         async def one_direct(i: int) -> None:
-            started = time.perf_counter()
             found = await self.tier_client.fetch_unit(self.model_fingerprint, bytes(hashes[i]),
-                                                      tiers="wc" if letters[i] == ord("w") else "c")
+                                                      tiers="wc" if letters[i] == ord("w") else "c",
+                                                      tenant_tag=tenant_tag(tenant))
             if found is not None:
                 unit, data, letter = found
                 results[i] = unit
-                self.cost.tiers[letter].observe(time.perf_counter() - started, len(data))
+                tier = arrived.setdefault(letter, [0, 0.0])
+                tier[0] += len(data)
+                tier[1] = time.perf_counter()
 
-        await asyncio.gather(via_pool(), *(one_direct(i) for i in direct))
+        try:
+            await asyncio.gather(via_pool(), *(one_direct(i) for i in direct))
+        finally:  # also when the deadline cut the fetch short: what arrived by then is a measurement
+            for letter, (num_bytes, last) in arrived.items():
+                self.cost.tiers[letter].observe(last - direct_started, num_bytes)
         return results
 
-    def _to_tensor(self, block_hash: BlockHash, found: bytes | RecyclableUnit | None) -> torch.Tensor | None:
+    def _to_tensor(self, block_hash: BlockHash, found: bytes | RecyclableUnit | None,
+                   owner: str) -> torch.Tensor | None:
         if found is None:
             return None
         if isinstance(found, RecyclableUnit):
@@ -192,7 +213,8 @@ class PoolLoader:
         else:  # crossed NATS from the pool: verify here
             try:
                 unit = recyclable_unit.decode(found, expected_hash=bytes(block_hash),
-                                              expected_model=self.model_fingerprint, key=self.mac_key)
+                                              expected_model=self.model_fingerprint, key=self.mac_key,
+                                              expected_tenant_tag=owner)
             except RUError as exc:
                 self.num_rejected += 1
                 log.warning("pool block %s rejected: %s", bytes(block_hash).hex()[:16], exc)

@@ -17,17 +17,27 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from kite_shared import recyclable_unit
+from kite_shared.security import ANONYMOUS_TENANT_TAG
 from kite_shared.tiers import metrics
 from kite_shared.tiers.health import TierHealth
 from kite_shared.tiers.keys import BlockKey
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
+_URL_USERINFO = re.compile(r"(\w+://)[^/\s@]+@")
+
+
+def _describe(exc: BaseException) -> str:
+    """The client error's own message for a log line (redis-py's repr drops it: "certificate verify
+    failed" and "WRONGPASS" matter), with any URL credentials masked, cut to 200 characters."""
+    text = _URL_USERINFO.sub(r"\1***@", str(exc)) or "no detail"
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 class TierUnavailable(RuntimeError):
@@ -104,11 +114,11 @@ class RemoteTier(abc.ABC):
             raise
         except Exception as exc:  # any client error means the same thing here: treat as down
             if self.health.failure():
-                log.warning("%s tier down (%s failed: %r); answering misses, retry in %.1f s",
-                            self.name, what, exc, self.health.backoff_s)
+                log.warning("%s tier down (%s failed: %s: %s); answering misses, retry in %.1f s",
+                            self.name, what, type(exc).__name__, _describe(exc), self.health.backoff_s)
             else:
-                log.debug("%s tier still down (%s failed: %r); next retry in %.1f s",
-                          self.name, what, exc, self.health.backoff_s)
+                log.debug("%s tier still down (%s failed: %s: %s); next retry in %.1f s",
+                          self.name, what, type(exc).__name__, _describe(exc), self.health.backoff_s)
             return miss
         if self.health.success():
             log.info("%s tier back up", self.name)
@@ -165,12 +175,13 @@ class RemoteTier(abc.ABC):
                 return
 
     # --- verified reads ---------------------------------------------------------------------------
-    async def get_unit(self, model_fingerprint: str, block_hash: bytes
+    async def get_unit(self, model_fingerprint: str, block_hash: bytes,
+                       tenant_tag: str = ANONYMOUS_TENANT_TAG
                        ) -> tuple[recyclable_unit.RecyclableUnit, bytes] | None:
         """The verified unit and its encoded bytes, or None (absent, down, or failed verification:
         then counted in kite_tier_integrity_failures_total and deleted)."""
         started = time.perf_counter()
-        key = BlockKey.of(model_fingerprint, block_hash)
+        key = BlockKey.of(model_fingerprint, block_hash, tenant_tag)
         data = await self.get(key)
         if data is None:
             self.misses += 1
@@ -178,7 +189,8 @@ class RemoteTier(abc.ABC):
             return None
         try:
             unit = recyclable_unit.decode(data, expected_hash=bytes(block_hash),
-                                          expected_model=model_fingerprint, key=self.ru_key)
+                                          expected_model=model_fingerprint, key=self.ru_key,
+                                          expected_tenant_tag=tenant_tag)
         except recyclable_unit.RUError as exc:
             self.integrity_failures += 1
             self.misses += 1
@@ -194,7 +206,8 @@ class RemoteTier(abc.ABC):
         metrics.TIER_FETCH_SECONDS.labels(self.name).observe(time.perf_counter() - started)
         return unit, data
 
-    async def get_verified(self, model_fingerprint: str, block_hash: bytes) -> bytes | None:
+    async def get_verified(self, model_fingerprint: str, block_hash: bytes,
+                           tenant_tag: str = ANONYMOUS_TENANT_TAG) -> bytes | None:
         """Encoded bytes of the block after verification, or None (see get_unit)."""
-        found = await self.get_unit(model_fingerprint, block_hash)
+        found = await self.get_unit(model_fingerprint, block_hash, tenant_tag)
         return None if found is None else found[1]

@@ -15,6 +15,7 @@ from typing import Sequence
 from kite_shared import security
 from kite_shared import recyclable_unit
 from kite_shared.config import TierConfig
+from kite_shared.security import ANONYMOUS_TENANT_TAG
 from kite_shared.tiers.base import RemoteTier
 from kite_shared.tiers.cold import LocalDirTier, S3Tier
 from kite_shared.tiers.warm import RedisTier
@@ -34,7 +35,7 @@ class TierClient:
         warm = None
         if cfg.redis_url:
             warm = RedisTier(cfg.redis_url, ttl_s=cfg.warm_ttl_s, timeout_s=cfg.timeout_s,
-                             backoff_max_s=cfg.backoff_max_s)
+                             backoff_max_s=cfg.backoff_max_s, cluster=cfg.redis_cluster)
         else:
             log.warning("warm tier off: KITE_REDIS_URL is empty (blocks go from hot straight to cold)")
         cold: S3Tier | LocalDirTier | None = None
@@ -67,32 +68,34 @@ class TierClient:
         for tier in self.tiers:
             await tier.close()
 
-    async def fetch(self, model_fingerprint: str, block_hash: bytes,
-                    tiers: str = "wc") -> tuple[bytes, str] | None:
-        """Verified encoded unit and the tier letter it came from ("w" or "c"), trying `tiers` in order."""
-        found = await self.fetch_unit(model_fingerprint, block_hash, tiers)
+    async def fetch(self, model_fingerprint: str, block_hash: bytes, tiers: str = "wc",
+                    tenant_tag: str = ANONYMOUS_TENANT_TAG) -> tuple[bytes, str] | None:
+        """Verified encoded unit and the tier letter it came from ("w" or "c"), trying `tiers` in order.
+        `tenant_tag` names the tenant whose request computed the block (part of its storage key)."""
+        found = await self.fetch_unit(model_fingerprint, block_hash, tiers, tenant_tag)
         return None if found is None else (found[1], found[2])
 
-    async def fetch_unit(self, model_fingerprint: str, block_hash: bytes, tiers: str = "wc"
+    async def fetch_unit(self, model_fingerprint: str, block_hash: bytes, tiers: str = "wc",
+                         tenant_tag: str = ANONYMOUS_TENANT_TAG
                          ) -> tuple[recyclable_unit.RecyclableUnit, bytes, str] | None:
         """Like `fetch`, with the decoded unit too (already verified: callers need not decode again)."""
         for letter in tiers:
             tier = self.warm if letter == "w" else self.cold if letter == "c" else None
             if tier is None:
                 continue
-            found = await tier.get_unit(model_fingerprint, block_hash)
+            found = await tier.get_unit(model_fingerprint, block_hash, tenant_tag)
             if found is not None:
                 return found[0], found[1], letter
         return None
 
     async def fetch_chain(self, model_fingerprint: str, block_hashes: Sequence[bytes],
-                          concurrency: int = 8) -> list[bytes]:
+                          concurrency: int = 8, tenant_tag: str = ANONYMOUS_TENANT_TAG) -> list[bytes]:
         """Verified units of the leading blocks that could be fetched (stops at the first miss)."""
         sem = asyncio.Semaphore(concurrency)
 
         async def one(h: bytes) -> bytes | None:
             async with sem:
-                found = await self.fetch(model_fingerprint, h)
+                found = await self.fetch(model_fingerprint, h, tenant_tag=tenant_tag)
                 return None if found is None else found[0]
 
         results = await asyncio.gather(*(one(h) for h in block_hashes))

@@ -1,7 +1,7 @@
 """Cold tier: objects in an S3-compatible store (boto3, blocking calls in a thread pool), or, when no S3
 endpoint is configured, files in a local folder with the same object layout.
 
-Layout: <prefix>ru/v1/<model_tag>/<block_hash_hex>.kru (kite_shared.tiers.keys). Credentials come from
+Layout: <prefix>ru/v2/<model_tag>/<tenant_tag>/<block_hash_hex>.kru (kite_shared.tiers.keys). Credentials come from
 boto3's own sources (AWS_* environment, shared config/profile, instance role) and are never logged.
 """
 
@@ -55,10 +55,12 @@ class S3Tier(_ThreadedTier):
         self.prefix = prefix
         self.region = region
         # One attempt per call: the tier's backoff handles failures, botocore retries would hide them.
+        # total_max_attempts counts the first attempt; botocore's `max_attempts` counts retries only
+        # (max_attempts=1 meant a second attempt after a jittered sleep of up to 1 s).
         self._s3 = boto3.session.Session().client(
             "s3", endpoint_url=endpoint or None, region_name=region,
             config=BotoConfig(connect_timeout=timeout_s, read_timeout=timeout_s,
-                              retries={"max_attempts": 1, "mode": "standard"},
+                              retries={"total_max_attempts": 1, "mode": "standard"},
                               max_pool_connections=threads))
 
     def describe(self) -> str:

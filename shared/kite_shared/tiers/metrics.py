@@ -28,3 +28,11 @@ POOL_LOOKUP_SECONDS = Histogram(
 TIER_FETCH_SECONDS = Histogram(
     "kite_tier_fetch_seconds", "Time to read and verify one block from a tier.", ["tier"],
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0))
+POOL_QUOTA_EVICTIONS = Counter(
+    "kite_pool_quota_evictions_total",
+    "Blocks the ru-pool deleted from every tier to keep their tenant under its quota "
+    "(KITE_POOL_TENANT_QUOTA_BYTES); per tenant in `kite pool stats --tenant`.")
+POOL_QUOTA_REFUSED = Counter(
+    "kite_pool_quota_refused_total",
+    "Puts the ru-pool refused because the tenant's pinned blocks fill its quota (or the block alone "
+    "exceeds it).")

@@ -14,10 +14,11 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 
 from kite_shared import subjects
+from kite_shared.security import ANONYMOUS_TENANT
 from kite_shared.tracing import headers_with_context
 from kite_shared.messages import (
-    BlockRemoved, BlockStored, MessageError, ModelFingerprintChanged, PoolAdminReply, PoolAdminRequest,
-    PoolGetReply, PoolGetRequest, PoolLookupReply, PoolLookupRequest,
+    BlockRemoved, BlockStored, ModelFingerprintChanged, PoolAdminReply, PoolAdminRequest,
+    PoolGetReply, PoolGetRequest, PoolLookupReply, PoolLookupRequest, decode_or_log,
 )
 
 log = logging.getLogger(__name__)
@@ -49,28 +50,22 @@ class PoolClient:
         reply = await self._request(subjects.POOL_LOOKUP, req.encode(), timeout_s or self.lookup_timeout_s)
         if reply is None:
             return None
-        try:
-            return PoolLookupReply.decode(reply)
-        except MessageError as exc:
-            log.warning("bad pool lookup reply: %s", exc)
-            return None
+        return decode_or_log(PoolLookupReply.decode, reply, log, "bad pool lookup reply")
 
-    async def get(self, model_fingerprint: str, block_hashes: Sequence[bytes],
-                  max_bytes: int = 0, timeout_s: float | None = None) -> list[bytes]:
+    async def get(self, model_fingerprint: str, block_hashes: Sequence[bytes], max_bytes: int = 0,
+                  timeout_s: float | None = None, tenant: str = ANONYMOUS_TENANT) -> list[bytes]:
         """Verified encoded units of the leading blocks the pool has (several requests if the units do
         not fit one reply). The caller still decodes each with recyclable_unit.decode before use."""
         units: list[bytes] = []
         hashes = list(block_hashes)
         while len(units) < len(hashes):
             req = PoolGetRequest(model_fingerprint=model_fingerprint, block_hashes=hashes[len(units):],
-                                 max_bytes=max_bytes)
+                                 max_bytes=max_bytes, tenant=tenant)
             raw = await self._request(subjects.POOL_GET, req.encode(), timeout_s or self.get_timeout_s)
             if raw is None:
                 break
-            try:
-                reply = PoolGetReply.decode(raw)
-            except MessageError as exc:
-                log.warning("bad pool get reply: %s", exc)
+            reply = decode_or_log(PoolGetReply.decode, raw, log, "bad pool get reply")
+            if reply is None:
                 break
             if reply.error is not None:
                 log.debug("pool get: %s", reply.error.message)

@@ -1,16 +1,27 @@
 """Warm tier: Redis (redis-py asyncio, hiredis parser), one key per block, expiring KITE_WARM_TTL_S after
 the last write or hit.
 
-Keys: see kite_shared.tiers.keys (kite:ru:v1:<model_tag>:<block_hash_hex>, no hash tags). A hit refreshes
-the expiry with `EXPIRE key ttl XX` in the same round trip as the GET: XX leaves pinned blocks (stored
-without expiry, via PERSIST) pinned, so readers need not know which blocks are pinned. Requires Redis >= 7.
+Keys: see kite_shared.tiers.keys (kite:ru:v2:<model_tag>:<tenant_tag>:<block_hash_hex>, no hash tags).
+A hit refreshes the expiry with `EXPIRE key ttl XX` in the same round trip as the GET: XX leaves pinned
+blocks (stored without expiry, via PERSIST) pinned, so readers need not know which blocks are pinned.
+Requires Redis >= 7.
+
+Redis Cluster (KITE_REDIS_CLUSTER, `cluster=True`): the URL names one seed node; redis-py's
+`RedisCluster` discovers the others and routes every key to the primary owning its slot. Every operation
+touches one key (or one key's pipeline: GET+EXPIRE, PERSIST+EXISTS), except UNLINK of many keys, which
+redis-py's cluster client splits into one UNLINK per slot (pipelined per node), and listing: SCAN only
+walks the node it is sent to, so `_list_page` scans the primaries one after the other with a cursor of
+(primaries at the start, index of the one being scanned, its SCAN cursor). A listing fails (the tier's
+`TierUnavailable`) rather than silently skip keys if the set of primaries changes under it.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any, Awaitable, Callable, NamedTuple, TypeVar
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -18,6 +29,16 @@ from kite_shared.tiers.base import RemoteTier, StoredBlock
 from kite_shared.tiers.keys import BlockKey, parse_redis_key, redis_key, redis_pattern
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
+
+
+class _ClusterCursor(NamedTuple):
+    """Where a cluster listing stands: the primaries found at its start (sorted names), which one is
+    being scanned, and that node's own SCAN cursor."""
+
+    nodes: tuple[str, ...]
+    index: int
+    node_cursor: int
 
 
 class RedisTier(RemoteTier):
@@ -25,18 +46,34 @@ class RedisTier(RemoteTier):
 
     def __init__(self, url: str, ttl_s: float = 3600.0, timeout_s: float = 0.25,
                  backoff_max_s: float = 30.0, initial_backoff_s: float = 0.5,
-                 max_connections: int = 64, scan_count: int = 1000) -> None:
+                 max_connections: int = 64, scan_count: int = 1000, cluster: bool = False) -> None:
         super().__init__(timeout_s, backoff_max_s, initial_backoff_s)
         self.url = url
         self.ttl_s = max(1, int(round(ttl_s)))
         self.scan_count = scan_count
+        self.cluster = cluster
         # The tier's own timeout and backoff decide; redis-py's retries would only stretch a failure.
-        self._redis = aioredis.Redis.from_url(
+        # Cluster: the URL is a seed node (db 0 only); max_connections is per node; MOVED/ASK redirects
+        # are still followed (they are routing, not retries).
+        client_cls = RedisCluster if cluster else aioredis.Redis
+        self._redis: aioredis.Redis | RedisCluster = client_cls.from_url(
             url, socket_timeout=max(timeout_s, 1.0), socket_connect_timeout=max(timeout_s, 0.5),
             retry=Retry(NoBackoff(), 0), max_connections=max_connections)
 
     async def close(self) -> None:
         await self._redis.aclose()
+
+    async def _op(self, what: str, fn: Callable[[], Awaitable[R]], *args: Any, **kwargs: Any) -> R:
+        if isinstance(self._redis, RedisCluster):
+            cluster, inner = self._redis, fn
+
+            async def fn() -> R:
+                # Discover the cluster before the command. redis-py 8.1 routes a keyed command that
+                # starts while the first discovery is still running as keyless (to a random node):
+                # MOVED storms, then a reinitialisation that drops every in-flight connection.
+                await cluster.initialize()  # no-op once connected
+                return await inner()
+        return await super()._op(what, fn, *args, **kwargs)
 
     async def _get(self, key: BlockKey) -> bytes | None:
         name = redis_key(key)
@@ -56,7 +93,11 @@ class RedisTier(RemoteTier):
         return bool(await self._redis.exists(redis_key(key)))
 
     async def _ping(self) -> None:
-        await self._redis.ping()
+        if isinstance(self._redis, RedisCluster):
+            # Up means every shard answers (a probe of the default node alone would not see a dead shard).
+            await self._redis.ping(target_nodes=RedisCluster.PRIMARIES)
+        else:
+            await self._redis.ping()
 
     async def set_pinned(self, key: BlockKey, pinned: bool) -> bool:
         """Pin (no expiry) or unpin (expiry back to the TTL); False when absent or the tier is down."""
@@ -75,8 +116,43 @@ class RedisTier(RemoteTier):
 
     async def _list_page(self, model_tag: str | None, cursor: object | None
                          ) -> tuple[list[StoredBlock], object | None]:
+        if self.cluster:
+            return await self._list_cluster_page(model_tag, cursor)
         next_cursor, names = await self._redis.scan(cursor=int(cursor or 0), match=redis_pattern(model_tag),
                                                     count=self.scan_count)
+        items = await self._describe(names)
+        return items, (None if int(next_cursor) == 0 else int(next_cursor))
+
+    async def _list_cluster_page(self, model_tag: str | None, cursor: object | None
+                                 ) -> tuple[list[StoredBlock], _ClusterCursor | None]:
+        """One SCAN step on one primary; the next page continues that primary, then the next one."""
+        cluster = self._redis
+        assert isinstance(cluster, RedisCluster)
+        await cluster.initialize()  # no-op unless never connected or reset by an error
+        primaries = tuple(sorted(node.name for node in cluster.get_primaries()))
+        if cursor is None:
+            if not primaries:
+                raise RuntimeError("Redis Cluster has no primaries")
+            cursor = _ClusterCursor(primaries, 0, 0)
+        assert isinstance(cursor, _ClusterCursor)
+        if primaries != cursor.nodes:
+            # A failover or a resharding: keys may have moved to a node already scanned (or not yet
+            # known), so this listing cannot promise to be complete.
+            raise RuntimeError(f"Redis Cluster primaries changed during listing: {list(cursor.nodes)} -> "
+                               f"{list(primaries)}")
+        node = cluster.get_node(node_name=cursor.nodes[cursor.index])
+        cursors, names = await cluster.scan(cursor=cursor.node_cursor, match=redis_pattern(model_tag),
+                                            count=self.scan_count, target_nodes=node)
+        items = await self._describe(names)
+        node_cursor = int(cursors[node.name])
+        if node_cursor != 0:
+            return items, cursor._replace(node_cursor=node_cursor)
+        if cursor.index + 1 < len(cursor.nodes):
+            return items, cursor._replace(index=cursor.index + 1, node_cursor=0)
+        return items, None
+
+    async def _describe(self, names: list[bytes]) -> list[StoredBlock]:
+        """Size, idle time and pin of the listed names (one pipeline; a cluster splits it per node)."""
         keys = [(name, parse_redis_key(name)) for name in names]
         keys = [(name, key) for name, key in keys if key is not None]
         items: list[StoredBlock] = []
@@ -94,4 +170,4 @@ class RedisTier(RemoteTier):
                 # Every write and hit sets the expiry to the full TTL, so what has run down is idle time.
                 idle = None if pinned else max(0.0, self.ttl_s - pttl / 1000.0)
                 items.append(StoredBlock(key, int(size), idle, pinned))
-        return items, (None if int(next_cursor) == 0 else int(next_cursor))
+        return items

@@ -1,0 +1,108 @@
+"""SIGTERM or SIGINT before a service is connected to NATS ends it at once, with status 0 and a log line
+saying why (kite_shared.service.exit_on_signal_until_connected): connecting retries for ever (a wrong
+password, no server yet), and Kubernetes or compose must not have to wait out the grace period and
+SIGKILL it. The graceful drain after startup is tested with the running services (test_ru_pool_process,
+test_faults, test_nats_credentials)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kite_cli.local_servers import free_port, start_nats
+
+PASSWORD = "pw-Startup-4c1d9e07"
+WRONG_PASSWORD = "pw-Wrong-8a2f6b13"
+
+
+def service_env(url: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KITE_")}
+    env.update(KITE_NATS_URL=url, KITE_LOG_LEVEL="INFO", **extra)
+    return env
+
+
+def wait_for_log(path: Path, text: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in path.read_text(errors="replace"):
+        assert proc.poll() is None, path.read_text(errors="replace")
+        assert time.monotonic() < deadline, f"{text!r} not in:\n{path.read_text(errors='replace')[-3000:]}"
+        time.sleep(0.05)
+
+
+def signal_when_started(argv: list[str], env: dict[str, str], log_path: Path, started: str, wait_s: float,
+                        sig: signal.Signals = signal.SIGTERM) -> str:
+    """Start `argv`; once its log shows `started`, wait `wait_s` and send `sig`. It must exit 0 within 3 s.
+    Returns its log."""
+    with log_path.open("wb") as err:
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        wait_for_log(log_path, started, proc)
+        time.sleep(wait_s)
+        proc.send_signal(sig)
+        sent = time.monotonic()
+        try:
+            rc = proc.wait(3)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running 3 s after {sig.name}:\n"
+                                 f"{log_path.read_text(errors='replace')[-3000:]}") from None
+        assert time.monotonic() - sent < 3
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = log_path.read_text(errors="replace")
+    assert rc == 0, log[-3000:]
+    return log
+
+
+@pytest.fixture()
+def nats_with_password(tmp_path):
+    port = free_port()
+    server = start_nats(port=port, extra_config=f'authorization {{ user: kite, password: "{PASSWORD}" }}',
+                        log_file=tmp_path / f"nats-{port}.log")
+    yield server
+    server.stop()
+
+
+RU_POOL = [sys.executable, "-m", "kite_ru_pool"]
+
+
+def test_sigterm_while_nats_refuses_the_password(nats_with_password, tmp_path):
+    env = service_env(nats_with_password.url, KITE_NATS_USER="kite", KITE_NATS_PASSWORD=WRONG_PASSWORD)
+    # Once the log shows it is in nats-py's connect loop.
+    log = signal_when_started(RU_POOL, env, tmp_path / "ru-pool.log", "Authorization Violation", 1.0)
+    assert "ru-pool stopping before NATS connected (SIGTERM; last NATS error: nats: 'Authorization " \
+           "Violation')" in log
+    assert '"level": "ERROR"' in log and "check KITE_NATS_USER/KITE_NATS_PASSWORD" in log  # a permanent error
+    assert "ru-pool ready" not in log and "draining" not in log
+    assert WRONG_PASSWORD not in log and PASSWORD not in log
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_while_no_nats_server_listens(tmp_path, sig):
+    port = free_port()  # nothing listens there
+    log = signal_when_started(RU_POOL, service_env(f"nats://127.0.0.1:{port}"), tmp_path / "ru-pool.log",
+                              "NATS error", 1.0, sig)
+    assert f"ru-pool stopping before NATS connected ({sig.name}; last NATS error: " in log
+    assert f"{port}" in log.rsplit("stopping before NATS connected", 1)[1]  # the refused address
+    # Retried every 0.5 s, but an unchanged error is logged with backoff (1st, 2nd, 4th, ... time).
+    assert log.count("NATS error: ") <= 4, log
+
+
+def test_sigterm_while_loading_before_run_service(tmp_path):
+    """An entrypoint that loads something slow (the worker's model) before run_service calls
+    exit_on_signal_until_connected first; here the slow load is a sleep."""
+    code = ("import time\n"
+            "from kite_shared.service import exit_on_signal_until_connected\n"
+            "exit_on_signal_until_connected('worker')\n"
+            "import sys; print('loading', file=sys.stderr, flush=True)\n"
+            "time.sleep(60)\n")
+    log = signal_when_started([sys.executable, "-c", code], service_env("nats://127.0.0.1:1"),
+                              tmp_path / "loader.log", "loading", 0.5)
+    assert "worker stopping before NATS connected (SIGTERM): nothing to drain" in log

@@ -1,0 +1,159 @@
+"""ru-pool core, tenants: the per-tenant ledger, quota evictions (exact order) and refusals, clears."""
+
+from kite_ru_pool.core import COLD, HOT, QUOTA_EVICT_TO, WARM, DropBlock, PoolCore
+from kite_shared.security import ANONYMOUS_TENANT_TAG, tenant_tag
+from kite_shared.tiers.keys import BlockKey
+
+FP = "44" * 32
+FP2 = "55" * 32
+ACME = tenant_tag("acme")
+BETA = tenant_tag("beta")
+
+
+def key(i: int, tenant: str = ACME, fp: str = FP) -> BlockKey:
+    return BlockKey.of(fp, bytes([i]) * 32, tenant)
+
+
+def core(**kw) -> PoolCore:
+    args = dict(hot_bytes=1 << 20, archive_after_s=100.0, warm_ttl_s=60.0, cold_ttl_s=1000.0,
+                sweep_interval_s=5.0, has_warm=True, has_cold=True)
+    args.update(kw)
+    return PoolCore(**args)
+
+
+def put(c: PoolCore, k: BlockKey, size: int, now: float, tiers: int = WARM) -> list[DropBlock] | None:
+    """What the service does for a put: admit, reserve quota, then the tiers report the writes."""
+    assert c.admit_put(k) == "store"
+    drops = c.reserve_quota(k, size)
+    if drops is not None:
+        c.note_stored(k, tiers, size, now, last_hit=now)
+    return drops
+
+
+def usage(c: PoolCore, tenant: str) -> tuple[int, int]:
+    ledger = c.tenant_usage(tenant)[tenant]
+    return len(ledger.blocks), ledger.num_bytes
+
+
+def test_ledger_counts_each_block_once_whatever_tiers_hold_it():
+    c = core()
+    c.note_stored(key(1), WARM, 100, now=1.0)
+    c.note_stored(key(1), COLD, 100, now=2.0)  # archived copy: same block
+    c.put_hot(key(1), b"x" * 100, now=3.0)  # promoted
+    c.note_stored(key(2, BETA), WARM, 40, now=1.0)
+    assert usage(c, ACME) == (1, 100)
+    assert usage(c, BETA) == (1, 40)
+    c.note_missing(key(1), WARM)
+    c.note_missing(key(1), HOT)
+    assert usage(c, ACME) == (1, 100)  # cold still holds it
+    c.note_missing(key(1), COLD)
+    assert usage(c, ACME) == (0, 0)
+    assert c.tenant_usage() == {BETA: c.tenant_usage(BETA)[BETA]}  # empty ledgers are not listed
+
+
+def test_storage_keys_carry_the_owner_so_lifecycle_actions_address_the_right_object():
+    c = core()
+    c.note_stored(key(1, BETA), WARM, 10, now=0.0, last_hit=0.0)
+    assert c.keys_in(WARM) == [key(1, BETA)]
+    assert c.keys_in(WARM, tenant_tag=ACME) == []
+    [archive] = c.sweep(now=1000.0, warm_up=True, cold_up=True)
+    assert archive.key == key(1, BETA)
+
+
+def test_over_quota_evicts_the_tenants_least_recently_hit_blocks_down_to_the_low_watermark():
+    c = core(tenant_quota_bytes=1000)
+    for i, last_hit in zip(range(1, 6), (5.0, 1.0, 4.0, 2.0, 3.0)):
+        assert put(c, key(i), 200, now=last_hit) == []
+    c.note_stored(key(9, BETA), WARM, 900, now=0.0, last_hit=0.0)  # another tenant's, older than all
+    assert usage(c, ACME) == (5, 1000)
+    # 1000 + 200 > 1000: free down to 0.9 * 1000 - 200 = 700 kept, i.e. 300 -> two blocks of 200.
+    drops = put(c, key(6), 200, now=6.0)
+    assert drops == [DropBlock(key(2), WARM), DropBlock(key(4), WARM)]  # last hits 1.0 and 2.0
+    assert usage(c, ACME) == (4, 800)
+    assert c.tiers_of(key(2)) == 0 and c.tiers_of(key(4)) == 0
+    assert c.lookup(FP, [key(2).block_hash]).pool == 0
+    assert usage(c, BETA) == (1, 900)  # never evicted for acme
+    assert c.tenant_usage(ACME)[ACME].quota_evictions == 2
+    assert QUOTA_EVICT_TO == 0.9
+
+
+def test_eviction_ties_break_by_key_and_hot_copies_go_too():
+    c = core(tenant_quota_bytes=300)
+    for i in (3, 1, 2):
+        put(c, key(i), 100, now=1.0)
+    c.put_hot(key(1), b"x" * 100, now=1.0)
+    drops = put(c, key(4), 100, now=2.0)
+    # need 400 - 270 = 130 -> two blocks; same last hit, so key order: 1 then 2
+    assert drops == [DropBlock(key(1), WARM), DropBlock(key(2), WARM)]
+    assert not c.hot.contains(key(1))
+
+
+def test_pinned_blocks_are_never_evicted_and_a_full_pinned_quota_refuses():
+    c = core(tenant_quota_bytes=300)
+    for i in (1, 2, 3):
+        put(c, key(i), 100, now=float(i))
+    c.pin(FP, [key(1).block_hash, key(2).block_hash], ACME)
+    assert put(c, key(4), 100, now=4.0) == [DropBlock(key(3), WARM)]
+    c.pin(FP, [key(4).block_hash], ACME)
+    assert put(c, key(5), 100, now=5.0) is None  # 300 pinned: no room
+    assert c.tiers_of(key(5)) == 0
+    assert c.tenant_usage(ACME)[ACME].quota_refused == 1
+
+
+def test_a_block_larger_than_the_quota_is_refused_without_evicting_anything():
+    c = core(tenant_quota_bytes=300)
+    put(c, key(1), 100, now=1.0)
+    assert c.admit_put(key(2)) == "store"
+    assert c.reserve_quota(key(2), 301) is None
+    assert usage(c, ACME) == (1, 100)
+
+
+def test_blocks_being_demoted_are_not_candidates():
+    c = core(tenant_quota_bytes=25, hot_bytes=20)
+    c.put_hot(key(1), b"a" * 10, now=1.0)
+    c.put_hot(key(2), b"b" * 10, now=2.0)
+    demotions = c.put_hot(key(3), b"c" * 10, now=3.0)  # evicts 1: pending demotion, no tiers yet
+    assert [d.key for d in demotions] == [key(1)]
+    assert c.entry(key(1)).tiers == 0
+    # 30 held + 10 new > 25: free down to int(0.9 * 25) = 22 with the new block, so 18 bytes: 2 and 3 (hot only:
+    # nothing to delete below), never 1, whose write to warm is in flight.
+    assert c.reserve_quota(key(4), 10) == [DropBlock(key(2), 0), DropBlock(key(3), 0)]
+    assert c.entry(key(1)) is not None
+
+
+def test_overrides_and_unlimited_tenants():
+    c = core(tenant_quota_bytes=100, tenant_quotas={BETA: 0, ANONYMOUS_TENANT_TAG: 1000})
+    assert c.quota_of(ACME) == 100 and c.quota_of(BETA) == 0 and c.quota_of(ANONYMOUS_TENANT_TAG) == 1000
+    for i in range(1, 20):
+        assert put(c, key(i, BETA), 100, now=float(i)) == []  # no quota: never evicts
+    assert usage(c, BETA) == (19, 1900)
+
+
+def test_forget_tenant_drops_only_that_tenants_blocks_pins_included_and_queues_a_purge():
+    c = core()
+    c.note_stored(key(1), WARM | COLD, 10, now=1.0)
+    c.note_stored(key(2, fp=FP2), COLD, 10, now=1.0)
+    c.note_stored(key(3, BETA), WARM, 10, now=1.0)
+    c.pin(FP, [key(1).block_hash], ACME)
+    drops = c.forget_tenant(ACME)
+    assert drops == [DropBlock(key(1), WARM | COLD), DropBlock(key(2, fp=FP2), COLD)]
+    assert not c.is_pinned(key(1))
+    assert usage(c, ACME) == (0, 0) and usage(c, BETA) == (1, 10)
+    assert c.pending_tenant_purges == {("*", ACME)}
+
+
+def test_forget_tenant_of_one_model():
+    c = core()
+    c.note_stored(key(1), WARM, 10, now=1.0)
+    c.note_stored(key(2, fp=FP2), WARM, 10, now=1.0)
+    assert c.forget_tenant(ACME, tag=key(2, fp=FP2).model_tag) == [DropBlock(key(2, fp=FP2), WARM)]
+    assert usage(c, ACME) == (1, 10)
+
+
+def test_forget_tag_and_invalidation_settle_the_ledgers():
+    c = core()
+    c.note_stored(key(1), WARM, 10, now=1.0)
+    c.note_stored(key(2, BETA), WARM, 10, now=1.0)
+    c.note_stored(key(3, BETA, fp=FP2), WARM, 10, now=1.0)
+    c.forget_tag(key(1).model_tag)
+    assert usage(c, ACME) == (0, 0) and usage(c, BETA) == (1, 10)
