@@ -32,7 +32,7 @@ from kite_shared.model_store import ModelIdentity
 from kite_shared.security import tenant_tag
 from kite_worker.block_cache import BlockCache
 from kite_worker.detokenize import IncrementalDetokenizer, StopStringMatcher
-from kite_worker.kv_blocks import build_cache, extract_blocks
+from kite_worker.kv_blocks import INITIAL_SPARE_POSITIONS, build_cache, extract_blocks, new_cache
 from kite_worker.sampling import make_generator, sample
 
 log = logging.getLogger(__name__)
@@ -181,12 +181,15 @@ class Engine:
         seq.num_pool_blocks = max(0, num_blocks - num_local)
         num_tokens = min(num_blocks * self.options.block_size, len(seq.prompt_ids) - 1)
         seq.num_prompt_blocks_cached = num_blocks
+        # Room for the prompt and the first answer tokens up front; longer answers grow the buffers.
+        capacity = len(seq.prompt_ids) + min(seq.request.sampling.max_tokens or INITIAL_SPARE_POSITIONS,
+                                             INITIAL_SPARE_POSITIONS)
         if num_tokens <= 0:
-            seq.cache = DynamicCache()
+            seq.cache = new_cache(capacity)
             return
         needed = -(-num_tokens // self.options.block_size)
         blocks = self.block_cache.get_prefix(seq.prompt_hashes[:needed])
-        seq.cache = build_cache(blocks, num_tokens, self.compute_dtype)
+        seq.cache = build_cache(blocks, num_tokens, self.compute_dtype, capacity)
         seq.num_computed = num_tokens
         seq.num_cached_tokens = num_tokens
         self.num_prompt_tokens_reused += num_tokens
@@ -195,7 +198,10 @@ class Engine:
         start = seq.num_computed
         input_ids = torch.tensor([token_ids], dtype=torch.long)
         positions = torch.arange(start, start + len(token_ids), dtype=torch.long).unsqueeze(0)
-        out = self.model(input_ids=input_ids, cache=seq.cache, position_ids=positions, use_cache=True)
+        # logits_to_keep=1: only the last position is sampled, and the LM head over every prompt position
+        # (49,152 x 576 per token for SmolLM2) would be about a fifth of a prefill's matrix work.
+        out = self.model(input_ids=input_ids, cache=seq.cache, position_ids=positions, use_cache=True,
+                         logits_to_keep=1)
         seq.cache = out.cache
         return out.logits[0, -1]
 
