@@ -19,9 +19,8 @@ async def setup(rt: ServiceRuntime) -> None:
     if cfg.metrics_port:
         start_http_server(cfg.metrics_port)
         log.info("metrics on :%d/metrics", cfg.metrics_port)
-    pool = PoolService(cfg, tier_cfg, rt.nc)
-    pool.instance_id = rt.instance_id  # names its telemetry
-    pool.freeze_gc = True  # this process is the pool's own: keep the cyclic GC off its index (gc_freeze)
+    # This process is the pool's own: keep the cyclic GC off its index (gc_freeze).
+    pool = PoolService(cfg, tier_cfg, rt.nc, instance_id=rt.instance_id, freeze_gc=True)
     await pool.start()
     rt.on_drain(pool.stop)
 

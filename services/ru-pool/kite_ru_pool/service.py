@@ -51,8 +51,13 @@ SWEEP_STEP_ENTRIES = 1000  # index entries a sweep examines per event-loop turn 
 class PoolService:
     def __init__(self, cfg: RuPoolConfig, tier_cfg: TierConfig, nc: NATS,
                  tiers: TierClient | None = None, clock: Callable[[], float] = time.time,
-                 ru_key: bytes | None = None) -> None:
+                 ru_key: bytes | None = None, instance_id: str = "ru-pool", freeze_gc: bool = False) -> None:
+        """`instance_id` names its telemetry; `freeze_gc`: keep the cyclic GC off the index
+        (kite_ru_pool.gc_freeze); only the pool's own process sets it, so pools started inside a test
+        runner leave the runner's GC alone."""
         self.cfg = cfg
+        self.instance_id = instance_id
+        self.freeze_gc = freeze_gc
         self.nc = nc
         # Every unit put or moved must carry a valid HMAC under the cluster key (default: this process's).
         self.ru_key = ru_key if ru_key is not None else security.ru_key()
@@ -92,11 +97,11 @@ class PoolService:
             await self.nc.subscribe(subjects.heartbeat("worker"), cb=self._guard(self._on_worker_heartbeat)),
         ]
         self.rebuilding = True
-        # issue 4: keep the cyclic GC off the index (kite_ru_pool.gc_freeze; only the service process
-        # sets freeze_gc) and measure how late the event loop runs (kite_pool_event_loop_lag_seconds)
+        # issue 4: keep the cyclic GC off the index (when freeze_gc) and measure how late the event loop
+        # runs (kite_pool_event_loop_lag_seconds)
         from kite_ru_pool.gc_freeze import IndexGcFreezer
         from kite_ru_pool.telemetry import loop_lag_probe, publish_loop
-        self._gc = IndexGcFreezer(enabled=getattr(self, "freeze_gc", False))
+        self._gc = IndexGcFreezer(enabled=self.freeze_gc)
         self._swept_totals: dict[str, tuple[int, int]] | None = None
 
         async def rebuild() -> None:
@@ -106,7 +111,7 @@ class PoolService:
         self._loops.append(asyncio.create_task(self._sweep_loop()))
         self._loops.append(asyncio.create_task(loop_lag_probe()))
         # issue 5: tier health, fill and hit rates for the arbitrator, every KITE_TELEMETRY_INTERVAL_S
-        self._loops.append(asyncio.create_task(publish_loop(self, getattr(self, "instance_id", "ru-pool"),
+        self._loops.append(asyncio.create_task(publish_loop(self, self.instance_id,
                                                             self.cfg.telemetry_interval_s)))
 
     async def stop(self, timeout_s: float = 10.0) -> None:
