@@ -275,7 +275,10 @@ async def test_ru_pool_rebuilds_its_index_from_the_cluster_and_clears_it(redis_c
 
 
 async def test_tier_client_from_config_builds_a_cluster_client(redis_cluster):
-    cfg = load(TierConfig, environ={"KITE_REDIS_URL": redis_cluster.url, "KITE_REDIS_CLUSTER": "yes"})
+    # A generous timeout: the first command also discovers the cluster's slots, which on a loaded 2-core
+    # machine can pass the default 0.25 s (the tier would then be down for one backoff, and this test red).
+    cfg = load(TierConfig, environ={"KITE_REDIS_URL": redis_cluster.url, "KITE_REDIS_CLUSTER": "yes",
+                                    "KITE_TIER_TIMEOUT_S": "2"})
     client = TierClient.from_config(cfg, with_cold=False, ru_key=RU_KEY)
     try:
         await client.start()
