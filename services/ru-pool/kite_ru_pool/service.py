@@ -88,8 +88,8 @@ class PoolService:
         q = subjects.RU_POOL_QUEUE
         self._subs = [
             await self.nc.subscribe(subjects.POOL_PUT, queue=q, cb=self._guard(self._on_put)),
-            await self.nc.subscribe(subjects.POOL_LOOKUP, queue=q, cb=self._guard(self._on_lookup)),
-            await self.nc.subscribe(subjects.POOL_GET, queue=q, cb=self._guard(self._on_get)),
+            await self.nc.subscribe(subjects.POOL_LOOKUP, queue=q, cb=self._guard(self._traced("kite.ru_pool.lookup", self._lookup))),
+            await self.nc.subscribe(subjects.POOL_GET, queue=q, cb=self._guard(self._traced("kite.ru_pool.get", self._get))),
             await self.nc.subscribe(subjects.POOL_ADMIN, queue=q, cb=self._guard(self._on_admin)),
             await self.nc.subscribe(subjects.POOL_BLOCK_EVENTS, queue=q,
                                     cb=self._guard(self._on_block_event)),
@@ -232,14 +232,18 @@ class PoolService:
             self._writing.discard(key)
             self._dropped_while_writing.discard(key)
 
-    # --- lookup ---------------------------------------------------------------------------------
-    async def _on_lookup(self, msg: Msg) -> None:
-        with use_span(start_span_from_headers("kite.ru_pool.lookup", msg.headers)) as span:
-            try:
-                await self._lookup(msg)
-            finally:
-                span.end()
+    @staticmethod
+    def _traced(name: str, handler: Callable[[Msg], Awaitable[None]]) -> Callable[[Msg], Awaitable[None]]:
+        """`handler` inside a span that continues the caller's trace (traceparent in the NATS headers)."""
+        async def run(msg: Msg) -> None:
+            with use_span(start_span_from_headers(name, msg.headers)) as span:
+                try:
+                    await handler(msg)
+                finally:
+                    span.end()
+        return run
 
+    # --- lookup ---------------------------------------------------------------------------------
     async def _lookup(self, msg: Msg) -> None:
         started = time.perf_counter()
         try:
@@ -255,13 +259,6 @@ class PoolService:
         metrics.POOL_LOOKUP_SECONDS.observe(time.perf_counter() - started)
 
     # --- get ------------------------------------------------------------------------------------
-    async def _on_get(self, msg: Msg) -> None:
-        with use_span(start_span_from_headers("kite.ru_pool.get", msg.headers)) as span:
-            try:
-                await self._get(msg)
-            finally:
-                span.end()
-
     async def _get(self, msg: Msg) -> None:
         try:
             req = PoolGetRequest.decode(msg.data)
