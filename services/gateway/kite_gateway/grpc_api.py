@@ -101,6 +101,11 @@ def generation_params(request: kite_pb2.GenerateRequest) -> GenerationParams:
         reuse=not request.disable_reuse, cache_salt=request.cache_salt)
 
 
+def _deadline_failure() -> "_Failure":
+    return _Failure(grpc.StatusCode.DEADLINE_EXCEEDED, "The call's deadline passed before generation finished",
+                    "deadline_exceeded")
+
+
 class _Undecodable:
     """Stands for request bytes that are not a valid GenerateRequest (bad protobuf, invalid UTF-8)."""
 
@@ -219,9 +224,13 @@ class KiteService(kite_pb2_grpc.KiteServicer):
             if not deadline.expired():
                 log.exception("Generate failed")
                 raise _Failure(grpc.StatusCode.INTERNAL, "internal server error", "internal_error") from exc
-            raise _Failure(grpc.StatusCode.DEADLINE_EXCEEDED, "The call's deadline passed before generation "
-                           "finished", "deadline_exceeded") from None
+            raise _deadline_failure() from None
         except ApiError as exc:
+            when = deadline.when()
+            if when is not None and asyncio.get_running_loop().time() >= when:
+                # The call's deadline passed too (a stalled loop lets the stream's own timeout notice
+                # first): the client asked for that bound, so that is what it hears.
+                raise _deadline_failure() from None
             raise _Failure.from_api_error(exc) from None
         except Exception as exc:
             log.exception("Generate failed")
