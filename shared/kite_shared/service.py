@@ -99,6 +99,20 @@ def setup_logging(service: str, instance_id: str, level: str) -> None:
     root.setLevel(level.upper())
 
 
+def setup_package_logging(service: str, instance_id: str, level: str,
+                          packages: tuple[str, ...] = ("kite_shared", "kite_worker")) -> None:
+    """KITE's JSON log lines for KITE code running inside another program's processes (the KV connector
+    in vLLM's engine processes): only KITE's loggers get the handler, the host program's logging stays."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLogFormatter(service, instance_id))
+    handler.addFilter(RequestContextFilter())
+    for package in packages:
+        logger = logging.getLogger(package)
+        logger.handlers[:] = [handler]
+        logger.setLevel(level.upper())
+        logger.propagate = False
+
+
 def nats_auth_options(common: CommonConfig | None) -> dict[str, Any]:
     """nats.connect keyword arguments for credentials and TLS from the registry (KITE_NATS_*).
 

@@ -17,6 +17,9 @@ def _start(options: StackOptions) -> RunningStack:
     stack = RunningStack(options)
     # Each stack gets its own cold tier folder: tests never share or leave blocks in ~/.cache/kite/cold.
     stack.options.env.setdefault("KITE_COLD_DIR", str(stack.log_dir / "cold"))
+    # The API, fault and tier suites run on the reference engine (it starts in seconds); the vLLM engine
+    # has its own suite (test_vllm_worker.py) because each vLLM worker takes about a minute to start.
+    stack.options.env.setdefault("KITE_ENGINE", "transformers")
     try:
         stack.start()
     except BaseException:

@@ -46,11 +46,11 @@ async def test_one_request_is_one_trace_across_every_service(nats_server, export
         await rt.start()
     pool = PoolService(load(RuPoolConfig), load(TierConfig), runtimes["ru-pool"].nc)
     await pool.start()
-    model_cfg = load(ModelConfig)
+    model_cfg = load(ModelConfig, engine="transformers")  # in-process: the reference engine starts in seconds
     await FingerprinterService(runtimes["fingerprinter"], build_core(model_cfg, load(FingerprinterConfig)),
                                10.0).start()
     worker_cfg = load(WorkerConfig)
-    loaded = await asyncio.to_thread(load_engine, model_cfg, worker_cfg)
+    loaded = await asyncio.to_thread(load_engine, model_cfg, worker_cfg, runtimes["worker"].instance_id)
     worker = WorkerService(runtimes["worker"], loaded, worker_cfg)
     await worker.start()
     port = free_port()

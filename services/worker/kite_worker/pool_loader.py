@@ -138,10 +138,14 @@ class PoolLoader:
         lookup = await self.pool.lookup(self.model_fingerprint, [bytes(h) for h in missing],
                                         include_workers=False)
         if lookup is None or lookup.invalidated or lookup.pool == 0:
+            log.debug("pool lookup of %d blocks: %s", len(missing), "no answer" if lookup is None else
+                      "invalidated" if lookup.invalidated else "none held")
             return []
         letters = bytes(lookup.tiers[:lookup.pool])
         num_to_load = self.cost.plan(letters)
         if num_to_load == 0:
+            log.debug("pool holds %d blocks (%s); the cost model computes them (%.2f ms/token)",
+                      lookup.pool, letters.decode(), 1000 * self.cost.prefill_seconds_per_token)
             return []
         deadline_s = self.cost.recompute_seconds(num_to_load)
         wanted = missing[:num_to_load]

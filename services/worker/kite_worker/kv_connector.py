@@ -1,0 +1,339 @@
+"""KITE's vLLM KV connector: vLLM's paged KV cache gains the ru-pool's tiers (the way LMCache plugs in).
+
+vLLM loads it from `kv_transfer_config` (`kv_connector_module_path="kite_worker.kv_connector"`) and makes
+two instances:
+- role SCHEDULER, in the engine-core process: for each new request, after vLLM's own prefix-cache hit,
+  asks the ru-pool (through `KVAgent`) for the following blocks and reports how many tokens they cover
+  (`get_num_new_matched_tokens`); each step, tells the model runner which paged blocks to fill from
+  staging and which newly computed blocks to save (`build_connector_meta`, decided by `KVPlanner`), and
+  hands those saves to the agent, which publishes each once the model runner's file appears (saves never
+  wait for a later engine step, which an idle engine would not take).
+- role WORKER, in the model-runner process: copies staged blocks into the paged KV before the forward
+  pass (`start_load_kv`; loads are synchronous, a block is a few hundred KB), and after it copies the
+  blocks to save out of the paged KV at once (the request may free them soon) and writes them to staging
+  on a background thread (`wait_for_save`), so a save costs a step one memory copy.
+
+Requests carry KITE's decisions in `kv_transfer_params["kite"]` (kv_plan.RequestParams), set by the
+worker's front end (vllm_engine.py); a request without them is served by vLLM alone.
+
+Failures never fail a request or change an answer: a block the pool cannot supply in time is computed;
+a staged file that cannot be read is reported through `get_block_ids_with_load_errors`, and with
+`kv_load_failure_policy="recompute"` vLLM computes those blocks again. Units are verified (checksum,
+HMAC, model fingerprint, tenant) before they are staged.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
+
+from kite_shared.config import CommonConfig, load
+from kite_shared.fingerprint import BlockHash
+from kite_shared.service import setup_package_logging
+from kite_worker.kv_agent import AgentOptions, KVAgent, _write_atomically, save_path, staged_load_path
+from kite_worker.kv_plan import BlockCopy, KVPlanner, RequestParams
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+PARAMS_KEY = "kite"  # our entry in a request's kv_transfer_params
+
+
+@dataclass
+class KiteConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> model runner, once per step."""
+
+    loads: list[tuple[int, str]] = field(default_factory=list)  # (paged block id, staged file path)
+    saves: list[tuple[int, str]] = field(default_factory=list)  # (paged block id, file path to write)
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """kv_connector_extra_config, written by the worker's front end."""
+
+    model_fingerprint: str  # hex root hash
+    worker_id: str
+    staging_dir: Path
+    storage_dtype: torch.dtype
+    pool_read: bool
+    pool_write: bool
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorOptions":
+        return cls(model_fingerprint=extra["model_fingerprint"], worker_id=extra["worker_id"],
+                   staging_dir=Path(extra["staging_dir"]), storage_dtype=getattr(torch, extra["storage_dtype"]),
+                   pool_read=bool(extra["pool_read"]), pool_write=bool(extra["pool_write"]))
+
+    @staticmethod
+    def extra_config(model_fingerprint: str, worker_id: str, staging_dir: Path, storage_dtype: str,
+                     pool_read: bool, pool_write: bool) -> dict[str, Any]:
+        return {"model_fingerprint": model_fingerprint, "worker_id": worker_id, "staging_dir": str(staging_dir),
+                "storage_dtype": storage_dtype, "pool_read": pool_read, "pool_write": pool_write}
+
+
+class KiteConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.options = ConnectorOptions.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        setup_package_logging("worker", f"{self.options.worker_id}/{role.name.lower()}",
+                              load(CommonConfig).log_level)
+        self.block_size = vllm_config.cache_config.block_size
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = _SchedulerSide(self, vllm_config, kv_cache_config)
+        else:
+            self._worker = _WorkerSide(self)
+
+    # --- scheduler side -------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.num_new_matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        self._scheduler.planner.allocated(request.request_id, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self._scheduler.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self._scheduler.on_output(connector_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler.finished(request.request_id)
+        return False, None
+
+    # --- worker side ----------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KiteConnectorMetadata)
+        self._worker.load(metadata.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads finish in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # whole blocks are copied after the forward pass, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KiteConnectorMetadata)
+        self._worker.save(metadata.saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self.role == KVConnectorRole.SCHEDULER:
+            self._scheduler.agent.stop()
+        else:
+            self._worker.stop()
+
+
+class _SchedulerSide:
+    def __init__(self, connector: KiteConnector, vllm_config: "VllmConfig",
+                 kv_cache_config: "KVCacheConfig | None") -> None:
+        options = connector.options
+        self.options = options
+        self.block_size = connector.block_size
+        self.planner = KVPlanner(self.block_size, BlockHash(bytes.fromhex(options.model_fingerprint)))
+        model = vllm_config.model_config
+        num_layers = model.get_num_layers(vllm_config.parallel_config)
+        num_kv_heads = model.get_num_kv_heads(vllm_config.parallel_config)
+        head_size = model.get_head_size()
+        # The recyclable-unit layout of every KITE engine: [layers, key/value, kv heads, tokens, head dim].
+        unit_shape = (num_layers, 2, num_kv_heads, self.block_size, head_size)
+        self.agent = KVAgent(AgentOptions(
+            worker_id=options.worker_id, model_fingerprint=options.model_fingerprint,
+            block_size=self.block_size, unit_shape=unit_shape, storage_dtype=options.storage_dtype,
+            staging_dir=options.staging_dir, pool_read=options.pool_read, pool_write=options.pool_write))
+        self.agent.start()
+        self._requests: dict[str, "Request"] = {}  # tracked requests (their token ids grow as they decode)
+        self._pinned: dict[str, list[BlockHash]] = {}  # request id -> staged blocks it holds
+        self._step_started: float | None = None
+        self._step_prefill_tokens = 0
+
+    def num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
+        params = RequestParams.decode((request.kv_transfer_params or {}).get(PARAMS_KEY))
+        if params is None:
+            return 0
+        plan_known = request.request_id in self.planner.requests
+        self.planner.track(request.request_id, params, request.prompt_token_ids or [])
+        self._requests[request.request_id] = request
+        if not plan_known:  # fetch once per request; a request vLLM asks about again reuses the answer
+            wanted = self.planner.wanted(request.request_id, num_computed_tokens)
+            first = num_computed_tokens // self.block_size
+            num_staged = self.agent.fetch(wanted, params.tenant) if wanted else 0
+            self._pinned[request.request_id] = wanted[:num_staged]
+            self.planner.set_loadable(request.request_id, first, num_staged)
+            log.debug("request %s: vLLM has %d tokens, the pool supplies %d of %d wanted blocks",
+                      request.request_id, num_computed_tokens, num_staged, len(wanted))
+        return self.planner.num_matched_tokens(request.request_id, num_computed_tokens)
+
+    def build_meta(self, scheduler_output: "SchedulerOutput") -> KiteConnectorMetadata:
+        now = time.perf_counter()
+        meta = KiteConnectorMetadata()
+        steps = []
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id not in self.planner.requests:
+                continue
+            request_tokens = new.prompt_token_ids or []
+            steps.append((new.req_id, self.planner.plan_step(
+                new.req_id, new.block_ids[0], True, new.num_computed_tokens,
+                scheduler_output.num_scheduled_tokens.get(new.req_id, 0), request_tokens)))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            plan = self.planner.requests.get(req_id)
+            if plan is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            tokens = self._tokens(req_id, cached)
+            steps.append((req_id, self.planner.plan_step(
+                req_id, new_ids[0] if new_ids is not None else None, req_id in cached.resumed_req_ids,
+                cached.num_computed_tokens[i], scheduler_output.num_scheduled_tokens.get(req_id, 0), tokens)))
+        saves = []
+        for req_id, step in steps:
+            for copy in step.loads:
+                meta.loads.append((copy.block_id, str(staged_load_path(self.options.staging_dir, copy.block_hash))))
+            for copy in step.saves:
+                meta.saves.append((copy.block_id, str(save_path(self.options.staging_dir, copy.block_hash))))
+                saves.append(self.planner.saved_info(req_id, copy))
+        if meta.loads or meta.saves:
+            log.debug("step: load %d blocks, save %d", len(meta.loads), len(meta.saves))
+        self.agent.publish(saves)
+        self._step_started = now
+        self._step_prefill_tokens = sum(
+            n for req_id, n in scheduler_output.num_scheduled_tokens.items() if n >= self.block_size)
+        return meta
+
+    def _tokens(self, req_id: str, cached) -> list[int]:
+        request = self._requests.get(req_id)
+        if request is not None:
+            return list(request.all_token_ids)
+        return cached.all_token_ids.get(req_id, [])
+
+    def on_output(self, output: "KVConnectorOutput") -> None:
+        if self._step_started is not None and self._step_prefill_tokens:
+            self.agent.observe_prefill(time.perf_counter() - self._step_started, self._step_prefill_tokens)
+            self._step_prefill_tokens = 0
+
+    def finished(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        self.agent.unpin(self._pinned.pop(request_id, []))
+        self.planner.finished(request_id)
+
+
+class PagedLayer:
+    """One attention layer's paged KV tensor, read and written as [2, kv heads, block_size, head dim] per
+    block, whatever the backend's physical layout (strides are read, never assumed):
+    - vLLM-CPU (CPU_ATTN): [num_blocks, kv heads, block_size, 2 * head dim]; per head, the block's key
+      rows then its value rows (the kernel views it as [num_blocks, H, 2 * block_size, D]);
+    - FlashAttention-style GPU backends: [2, num_blocks, block_size, kv heads, head dim].
+    The key rows may be in an ISA-specific order inside a block: a whole-block copy keeps it, and the
+    execution-path fingerprint keeps such blocks away from any other engine."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        if tensor.dim() == 4:  # CPU_ATTN
+            _, heads, block_size, width = tensor.shape
+            self.kv_first = False
+            self.block_shape = (heads, block_size, width // 2)
+        elif tensor.dim() == 5 and tensor.shape[0] == 2:
+            _, _, block_size, heads, head_dim = tensor.shape
+            self.kv_first = True
+            self.block_shape = (heads, block_size, head_dim)
+        else:
+            raise ValueError(f"unsupported paged KV layout {tuple(tensor.shape)}")
+
+    def read(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """[n, 2, H, B, D] copies of these blocks."""
+        heads, block_size, head_dim = self.block_shape
+        if self.kv_first:
+            return self.tensor.index_select(1, block_ids).permute(1, 0, 3, 2, 4).contiguous()
+        blocks = self.tensor.index_select(0, block_ids).view(-1, heads, 2, block_size, head_dim)
+        return blocks.transpose(1, 2).contiguous()
+
+    def write(self, block_id: int, values: torch.Tensor) -> None:
+        """Store one block given as [2, H, B, D] (any dtype; converted to the cache's)."""
+        heads, block_size, head_dim = self.block_shape
+        if self.kv_first:
+            self.tensor[:, block_id].copy_(values.permute(0, 2, 1, 3))
+        else:
+            self.tensor[block_id].view(heads, 2, block_size, head_dim).copy_(values.transpose(0, 1))
+
+
+class _WorkerSide:
+    def __init__(self, connector: KiteConnector) -> None:
+        self.options = connector.options
+        self.layers: list[PagedLayer] = []
+        self._load_errors: set[int] = set()
+        self._writes: queue.Queue[tuple[str, torch.Tensor] | None] = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="kite-kv-save", daemon=True)
+        self._writer.start()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.layers = [PagedLayer(t) for t in kv_caches.values()]  # model order
+
+    def load(self, loads: list[tuple[int, str]]) -> None:
+        for block_id, path in loads:
+            try:
+                data = Path(path).read_bytes()
+                block = torch.frombuffer(bytearray(data), dtype=self.options.storage_dtype)
+                block = block.view(len(self.layers), 2, *self.layers[0].block_shape)
+            except (OSError, RuntimeError) as exc:  # evicted, truncated or wrong shape: compute it
+                log.warning("staged block %s not loadable (%r); vLLM recomputes it", Path(path).name, exc)
+                self._load_errors.add(block_id)
+                continue
+            for layer, values in zip(self.layers, block):
+                layer.write(block_id, values)
+
+    def save(self, saves: list[tuple[int, str]]) -> None:
+        if not saves:
+            return
+        ids = torch.tensor([block_id for block_id, _ in saves], dtype=torch.long)
+        # One gather per layer now (the request may free these blocks right after this step); the
+        # dtype conversion and the file write happen on the writer thread.
+        gathered = torch.stack([layer.read(ids) for layer in self.layers], dim=1)  # [n, L, 2, H, B, D]
+        for (_, path), block in zip(saves, gathered):
+            self._writes.put((path, block))
+        log.debug("saving %d blocks", len(saves))
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            if item is None:
+                return
+            path, block = item
+            try:
+                data = block.to(self.options.storage_dtype).contiguous().view(torch.uint8).numpy().tobytes()
+                _write_atomically(Path(path), data)
+            except OSError as exc:  # the agent gives up waiting for it: one block not saved
+                log.warning("could not stage saved block %s: %r", Path(path).name, exc)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def stop(self) -> None:
+        self._writes.put(None)

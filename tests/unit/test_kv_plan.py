@@ -1,0 +1,144 @@
+"""The vLLM connector's bookkeeping (kite_worker.kv_plan): which paged blocks load and save, step by step.
+
+Scenarios replay what vLLM's scheduler reports (block tables, computed and scheduled token counts) and
+assert the exact copies, with hashes from KITE's own chain."""
+
+from __future__ import annotations
+
+from kite_shared.fingerprint import BlockHash, block_hash_chain
+from kite_worker.kv_plan import BlockCopy, KVPlanner, RequestParams
+
+ROOT = BlockHash(bytes(range(32)))
+B = 4  # tokens per block in these scenarios
+PROMPT = list(range(100, 118))  # 18 tokens: 4 full blocks + 2
+SALT = "tenant-salt"
+
+
+def params(**kw) -> RequestParams:
+    base = dict(cache_salt=SALT, tenant="acme", load=True, save=True, save_generated=True)
+    base.update(kw)
+    return RequestParams(**base)
+
+
+def chain(tokens: list[int]) -> list[BlockHash]:
+    return block_hash_chain(tokens, B, ROOT, SALT)
+
+
+def test_params_survive_their_wire_form():
+    p = params(max_save_blocks=3)
+    assert RequestParams.decode(p.encode()) == p
+    assert RequestParams.decode(None) is None
+
+
+def test_wanted_starts_after_the_local_hit_and_never_covers_the_last_prompt_token():
+    planner = KVPlanner(B, ROOT)
+    planner.track("r", params(), PROMPT)
+    # (18 - 1) // 4 = 4 reusable blocks; vLLM's own cache already has the first one
+    assert planner.wanted("r", num_local_tokens=4) == chain(PROMPT)[1:4]
+    planner.track("q", params(load=False), PROMPT)
+    assert planner.wanted("q", 0) == []
+    short = list(range(8))  # exactly 2 blocks: only the first may be reused, the last token is computed
+    planner.track("s", params(), short)
+    assert planner.wanted("s", 0) == chain(short)[:1]
+
+
+def test_a_load_is_copied_into_the_allocated_blocks_and_those_blocks_are_never_saved():
+    planner = KVPlanner(B, ROOT)
+    planner.track("r", params(), PROMPT)
+    planner.set_loadable("r", first_block=1, num_blocks=3)
+    assert planner.num_matched_tokens("r", num_local_tokens=4) == 12
+    planner.allocated("r", num_external_tokens=12)
+    hashes = chain(PROMPT)
+    step = planner.plan_step("r", [70, 71, 72, 73, 74], True, num_computed_tokens=16,
+                             num_scheduled_tokens=2, all_token_ids=PROMPT)
+    assert step.loads == [BlockCopy(71, hashes[1], 1), BlockCopy(72, hashes[2], 2), BlockCopy(73, hashes[3], 3)]
+    # block 0 was vLLM's local hit and never saved by this worker: saved now; loaded blocks are not
+    assert step.saves == [BlockCopy(70, hashes[0], 0)]
+
+
+def test_matched_tokens_follow_a_local_hit_that_grew_since_the_fetch():
+    planner = KVPlanner(B, ROOT)
+    planner.track("r", params(), PROMPT)
+    planner.set_loadable("r", first_block=1, num_blocks=3)
+    assert planner.num_matched_tokens("r", 8) == 8  # blocks 2 and 3 remain to load
+    assert planner.num_matched_tokens("r", 0) == 0  # staged blocks must start right after the hit
+
+
+def test_saves_follow_the_computation_block_by_block_through_decode():
+    planner = KVPlanner(B, ROOT)
+    planner.track("r", params(load=False), PROMPT)
+    tokens = list(PROMPT)
+    first = planner.plan_step("r", [10, 11, 12, 13, 14], True, 0, 18, tokens)
+    hashes = chain(PROMPT)
+    assert [c.block_index for c in first.saves] == [0, 1, 2, 3]
+    assert [c.block_id for c in first.saves] == [10, 11, 12, 13]
+    assert first.saves[3].block_hash == hashes[3]
+    # decode: tokens 18 and 19 complete block 4 once the sampled token is known
+    tokens.append(500)  # sampled by the prefill step
+    assert planner.plan_step("r", None, False, 18, 1, tokens).saves == []
+    tokens.append(501)
+    step = planner.plan_step("r", None, False, 19, 1, tokens)
+    assert step.saves == [BlockCopy(14, chain(tokens)[4], 4)]
+    info = planner.saved_info("r", step.saves[0])
+    assert info.parent_hash == hashes[3] and info.block_index == 4 and info.tenant == "acme"
+    assert planner.saved_info("r", first.saves[0]).parent_hash == ROOT
+
+
+def test_a_block_whose_last_token_is_not_known_yet_waits_for_a_later_step():
+    planner = KVPlanner(B, ROOT)
+    planner.track("r", params(load=False), PROMPT[:16])
+    tokens = PROMPT[:16]
+    # async scheduling: the step computes position 16 and 17 but the request knows 16 tokens only
+    step = planner.plan_step("r", [1, 2, 3, 4, 5], True, 0, 16, tokens)
+    assert len(step.saves) == 4
+    later = planner.plan_step("r", None, False, 16, 3, tokens)  # 19 computed, tokens 16.. unknown
+    assert later.saves == []
+    tokens = tokens + [7, 8, 9, 10]
+    assert [c.block_index for c in planner.plan_step("r", None, False, 19, 1, tokens).saves] == [4]
+
+
+def test_prompt_only_and_write_policy_limits():
+    planner = KVPlanner(B, ROOT)
+    planner.track("p", params(load=False, save_generated=False), PROMPT)
+    saves = planner.plan_step("p", list(range(10)), True, 0, 18, PROMPT + [1, 2, 3, 4, 5, 6]).saves
+    assert [c.block_index for c in saves] == [0, 1, 2, 3]
+    planner.track("w", params(load=False, max_save_blocks=2, cache_salt="other"), PROMPT)
+    assert [c.block_index for c in planner.plan_step("w", list(range(10)), True, 0, 18, PROMPT).saves] == [0, 1]
+    planner.track("off", params(load=False, save=False, cache_salt="third"), PROMPT)
+    assert planner.plan_step("off", list(range(10)), True, 0, 18, PROMPT).saves == []
+
+
+def test_a_block_is_saved_once_per_worker_even_across_requests():
+    planner = KVPlanner(B, ROOT)
+    planner.track("a", params(load=False), PROMPT)
+    assert len(planner.plan_step("a", [1, 2, 3, 4, 5], True, 0, 18, PROMPT).saves) == 4
+    planner.finished("a")
+    planner.track("b", params(load=False), PROMPT)
+    assert planner.plan_step("b", [1, 2, 3, 4, 9], True, 16, 2, PROMPT).saves == []
+
+
+def test_selective_policy_saves_a_local_hit_on_its_second_sighting():
+    planner = KVPlanner(B, ROOT)
+    planner.track("first", params(load=False, max_save_blocks=0), PROMPT)
+    assert planner.plan_step("first", [1, 2, 3, 4, 5], True, 0, 18, PROMPT).saves == []
+    planner.finished("first")
+    planner.track("second", params(load=False, max_save_blocks=4), PROMPT)
+    step = planner.plan_step("second", [1, 2, 3, 4, 6], True, 16, 2, PROMPT)  # vLLM's local hit: 16 tokens
+    assert [(c.block_id, c.block_index) for c in step.saves] == [(1, 0), (2, 1), (3, 2), (4, 3)]
+
+
+def test_a_resumed_request_replaces_its_block_table():
+    planner = KVPlanner(B, ROOT)
+    planner.track("r", params(load=False, save=False), PROMPT)
+    planner.plan_step("r", [1, 2], True, 0, 8, PROMPT)
+    planner.plan_step("r", [3], False, 8, 4, PROMPT)
+    assert planner.requests["r"].block_ids == [1, 2, 3]
+    planner.plan_step("r", [7, 8, 9], True, 0, 12, PROMPT)  # preempted, then resumed with new blocks
+    assert planner.requests["r"].block_ids == [7, 8, 9]
+
+
+def test_untracked_requests_have_no_plan():
+    planner = KVPlanner(B, ROOT)
+    assert planner.num_matched_tokens("x", 0) == 0
+    step = planner.plan_step("x", [1], True, 0, 4, [1, 2, 3, 4])
+    assert step.loads == [] and step.saves == []
