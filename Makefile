@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kite-installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test bench bench-reuse bench-cf bench-routing proto config-doc clean
+.PHONY: install run test bench bench-vllm bench-reuse bench-cf bench-routing proto config-doc clean
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,6 +29,9 @@ test: install
 
 bench: install
 	$(PY) -m kite_cli.main bench --workload system-prompt
+
+bench-vllm: install
+	$(PY) bench/bench_vllm_peer.py
 
 bench-reuse: install
 	$(PY) bench/bench_reuse_ttft.py

@@ -9,7 +9,12 @@ a worker that never saw it (KITE loads it from the ru-pool) against plain vLLM's
 Workload: a ~900-token system prompt shared by every request, `--users` distinct user questions,
 16 tokens out, greedy. Each concurrency level first warms both systems' prefix caches with one request.
 
-    python bench/bench_vllm_peer.py [--eager] [--users 16] [--concurrency 1 4 8] [--json out.json]
+Working set larger than the KV cache (`--working-set`): 32 distinct ~1,000-token documents asked about
+in turn, with each engine's KV memory sized to hold about a quarter of them: plain vLLM evicts and
+recomputes every document, KITE reloads them from its pool. A first pass stores them; the second pass
+(one request at a time) gives the mean TTFT, the third (4 concurrent) the requests per second.
+
+    python bench/bench_vllm_peer.py [--eager] [--users 16] [--concurrency 1 4 8] [--working-set] [--json out.json]
 """
 
 from __future__ import annotations
@@ -36,6 +41,13 @@ SYSTEM_PROMPT = ("You are the support assistant of a company that rents bicycles
 MAX_TOKENS = 16
 
 
+def document(d: int) -> str:
+    """About 1,000 tokens that share nothing with the other documents past their first words."""
+    return f"Document {d}. " + " ".join(
+        f"In year {1900 + d * 7 + i}, station {d * 31 + i} of district {d} recorded {i * d + 11} rentals and "
+        f"{(i + d) % 13} repairs, and its manager number {d * 1000 + i} filed report {d}-{i}." for i in range(22))
+
+
 def questions(count: int, offset: int = 0) -> list[str]:
     return [f"Customer {i + offset}: how much does a rental of type {(i + offset) % 28} cost for three hours?"
             for i in range(count)]
@@ -56,11 +68,11 @@ class Client:
             "model": self.model, "max_tokens": 4, "temperature": 0,
             "messages": [{"role": "user", "content": "Say hello."}]}).raise_for_status()
 
-    def ask(self, question: str) -> tuple[float, str, int]:
+    def ask(self, question: str, system: str = SYSTEM_PROMPT) -> tuple[float, str, int]:
         """(time to first token, answer, cached prompt tokens)."""
         body = {"model": self.model, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": True,
                 "stream_options": {"include_usage": True},
-                "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]}
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
         started = time.perf_counter()
         ttft, parts, cached = None, [], 0
         with self.http.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
@@ -96,9 +108,31 @@ def run_level(client: Client, concurrency: int, users: int, offset: int) -> dict
             "answers": {q: r[1] for q, r in zip(qs, results)}}
 
 
+def working_set(client: Client, num_docs: int) -> dict:
+    question = "Which station recorded the most rentals?"
+
+    def ask(d: int) -> tuple[float, str, int]:
+        return client.ask(question, document(d))
+
+    for d in range(num_docs):  # pass 1: every document computed once (KITE saves them to its pool)
+        ask(d)
+    time.sleep(2)
+    started = time.perf_counter()
+    sequential = [ask(d) for d in range(num_docs)]  # pass 2: TTFT, one at a time
+    sequential_wall = time.perf_counter() - started
+    started = time.perf_counter()
+    with ThreadPoolExecutor(4) as pool:  # pass 3: throughput, 4 concurrent
+        concurrent = list(pool.map(ask, range(num_docs)))
+    wall = time.perf_counter() - started
+    return {"documents": num_docs, "ttft_mean_s": statistics.mean(r[0] for r in sequential),
+            "ttft_p50_s": statistics.median(r[0] for r in sequential),
+            "sequential_req_per_s": num_docs / sequential_wall, "concurrent_req_per_s": num_docs / wall,
+            "mean_cached_tokens": statistics.mean(r[2] for r in sequential),
+            "answers": [r[1] for r in sequential]}
+
+
 def engine_env(args) -> dict[str, str]:
-    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            "OMP_NUM_THREADS": str(os.cpu_count() or 2)}
+    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": str(os.cpu_count() or 2)}
 
 
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
@@ -149,6 +183,7 @@ def measure(client: Client, args) -> dict:
 
 
 def kite_stack(args, log_dir: Path) -> LocalStack:
+    log_dir.mkdir(parents=True, exist_ok=True)
     env = {"KITE_ENGINE": "vllm", "KITE_VLLM_ENFORCE_EAGER": "on" if args.eager else "off",
            "KITE_VLLM_KV_CACHE_GIB": f"{args.kv_gib:g}", "KITE_BLOCK_SIZE": str(args.block_size),
            "KITE_COLD_DIR": str(log_dir / "cold"), "KITE_WORKER_WRITE_POLICY": "write_through"}
@@ -160,22 +195,7 @@ def kite_stack(args, log_dir: Path) -> LocalStack:
     return stack
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--eager", action="store_true", help="both engines without torch.compile")
-    parser.add_argument("--users", type=int, default=16)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
-    parser.add_argument("--kv-gib", type=float, default=1.0)
-    parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-
-    from kite_shared.config import ModelConfig, load
-    from kite_shared.model_store import prepare
-    model_path = prepare(load(ModelConfig)).path
-    log_dir = Path(tempfile.mkdtemp(prefix="kite-bench-vllm-"))
-    results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "log_dir": str(log_dir)}
-
+def shared_prefix(args, model_path: Path, log_dir: Path, results: dict) -> None:
     proc, url = plain_vllm(args, model_path, log_dir)
     try:
         client = Client(url, "smollm2-135m-instruct")
@@ -215,6 +235,63 @@ def main() -> None:
     print(f"\nfresh engine, shared prompt: plain vLLM computes it in {results['vllm_cold_ttft_s']:.3f} s; "
           f"a restarted KITE worker loads {results['kite_restarted_cached_tokens']} tokens from the pool: "
           f"{results['kite_restarted_ttft_s']:.3f} s ({results['kite_restarted_ttft_s'] / results['vllm_cold_ttft_s']:.2f}x)")
+
+
+def working_set_comparison(args, model_path: Path, log_dir: Path, results: dict) -> None:
+    small = argparse.Namespace(**{**vars(args), "kv_gib": args.working_set_kv_gib})
+    proc, url = plain_vllm(small, model_path, log_dir)
+    try:
+        client = Client(url, "smollm2-135m-instruct")
+        client.warm_up()
+        results["working_set_vllm"] = working_set(client, args.documents)
+    finally:
+        stop(proc)
+    stack = kite_stack(small, log_dir / "working-set")
+    try:
+        client = Client(stack.http_url, "smollm2-135m-instruct")
+        client.warm_up()
+        results["working_set_kite"] = working_set(client, args.documents)
+    finally:
+        stack.stop()
+    mine, theirs = results["working_set_kite"], results["working_set_vllm"]
+    same = sum(a == b for a, b in zip(mine["answers"], theirs["answers"]))
+    print(f"\nworking set of {args.documents} documents, KV memory {args.working_set_kv_gib:g} GiB:")
+    for name, r in (("vllm", theirs), ("kite", mine)):
+        print(f"  {name:<5} TTFT mean {r['ttft_mean_s']:.3f} s, p50 {r['ttft_p50_s']:.3f} s, cached "
+              f"{r['mean_cached_tokens']:.0f} tokens, {r['sequential_req_per_s']:.2f} req/s one at a time, "
+              f"{r['concurrent_req_per_s']:.2f} req/s at 4")
+    print(f"  KITE / vLLM: TTFT mean {mine['ttft_mean_s'] / theirs['ttft_mean_s']:.2f}x, req/s at 4 "
+          f"{mine['concurrent_req_per_s'] / theirs['concurrent_req_per_s']:.2f}x, identical answers "
+          f"{same}/{len(mine['answers'])}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--eager", action="store_true", help="both engines without torch.compile")
+    parser.add_argument("--users", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--kv-gib", type=float, default=1.0)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--working-set", action="store_true",
+                        help="also the working set larger than the KV cache (two more engine starts)")
+    parser.add_argument("--documents", type=int, default=32)
+    parser.add_argument("--working-set-kv-gib", type=float, default=0.4,
+                        help="KV memory for the working-set run: about 9 of 32 documents in fp32 (the least "
+                             "that still admits one 8,192-token request)")
+    parser.add_argument("--only-working-set", action="store_true", help="skip the shared-prefix comparison")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    from kite_shared.config import ModelConfig, load
+    from kite_shared.model_store import prepare
+    model_path = prepare(load(ModelConfig)).path
+    log_dir = Path(tempfile.mkdtemp(prefix="kite-bench-vllm-"))
+    results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "log_dir": str(log_dir)}
+
+    if not args.only_working_set:
+        shared_prefix(args, model_path, log_dir, results)
+    if args.working_set:
+        working_set_comparison(args, model_path, log_dir, results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

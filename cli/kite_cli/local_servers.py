@@ -36,6 +36,20 @@ def find_binary(name: str) -> str | None:
     return shutil.which(name)
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """Run in a child between fork and exec (`preexec_fn`): the kernel sends it SIGTERM when the process
+    that started it dies, even by SIGKILL, so no service or server outlives `kite run` or a test run.
+    (The signal follows the starting *thread*: stacks are started from their process's main thread.)"""
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
 def wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float, name: str) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -79,7 +93,8 @@ NATS_MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 
 def _launch(name: str, argv: list[str], port: int, workdir: Path, log_file: Path | None) -> LocalServer:
     out = log_file.open("ab") if log_file else subprocess.DEVNULL
-    server = LocalServer(name, port, subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT), workdir)
+    server = LocalServer(name, port, subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                                      preexec_fn=die_with_parent), workdir)
     try:
         wait_for_port(port, server.process, 10.0, name)
     except ServerStartError:
@@ -106,15 +121,20 @@ def start_nats(port: int | None = None, jetstream: bool = True, log_file: Path |
 
 
 def start_redis(port: int | None = None, log_file: Path | None = None,
-                extra_args: Sequence[str] = ()) -> LocalServer:
-    """redis-server on 127.0.0.1:`port` (a free one by default), no persistence, its --dir a temporary
-    folder removed on stop (relative file names in `extra_args`, such as a cluster config file, land
-    there); `extra_args` are appended to the command line (e.g. --cluster-enabled yes)."""
+                extra_args: Sequence[str] = (), data_dir: Path | None = None) -> LocalServer:
+    """redis-server on 127.0.0.1:`port` (a free one by default); `extra_args` are appended to the command
+    line (e.g. --cluster-enabled yes). Without `data_dir`: no persistence, its --dir a temporary folder
+    removed on stop (relative file names in `extra_args`, such as a cluster config file, land there).
+    With `data_dir`: an append-only file there, so the warm tier outlives the server (`kite run`)."""
     binary = find_binary("redis-server")
     if binary is None:
         raise ServerStartError("redis-server not found (apt-get install redis-server)")
     port = port or free_port()
     workdir = Path(tempfile.mkdtemp(prefix="kite-redis-"))
-    return _launch("redis-server", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                    "--appendonly", "no", "--dir", str(workdir), *extra_args],
-                   port, workdir, log_file)
+    if data_dir is None:
+        persistence = ["--save", "", "--appendonly", "no", "--dir", str(workdir)]
+    else:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        persistence = ["--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(data_dir)]
+    return _launch("redis-server", [binary, "--port", str(port), "--bind", "127.0.0.1", *persistence,
+                                    *extra_args], port, workdir, log_file)

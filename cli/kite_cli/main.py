@@ -7,25 +7,29 @@ import argparse
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from kite_cli.stack import LocalStack, StackOptions
 
 
 def _run(args: argparse.Namespace) -> int:
     stack = LocalStack(StackOptions(http_port=args.http_port, grpc_port=args.grpc_port,
-                                    num_workers=args.workers, host=args.host))
+                                    num_workers=args.workers, host=args.host,
+                                    redis_data_dir=Path.home() / ".cache" / "kite" / "redis"))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"starting KITE: nats-server and 5 services (logs in {stack.log_dir}) ...", flush=True)
+    print(f"starting KITE: nats-server and 5 services (logs in {stack.log_dir}); the first start compiles "
+          "the model in vLLM (about 3 minutes on 2 cores, about 1 minute later) ...", flush=True)
     try:
-        stack.start()
+        stack.start(timeout_s=900)
     except BaseException as exc:
         stack.stop()
         print(f"KITE failed to start: {exc}", file=sys.stderr)
         return 1
     print(f"""
 KITE is serving on {stack.http_url}  (OpenAI API at {stack.http_url}/v1, gRPC at {stack.grpc_target})
+NATS at {stack.nats.url}: kite pool --nats-url {stack.nats.url} stats
 
   curl {stack.http_url}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "smollm2-135m-instruct", "temperature": 0,

@@ -15,7 +15,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kite_cli.local_servers import LocalServer, find_binary, free_port, start_nats, start_redis
+from kite_cli.local_servers import LocalServer, die_with_parent, find_binary, free_port, start_nats, start_redis
 
 SERVICE_MODULES = {
     "fingerprinter": "kite_fingerprinter",
@@ -37,6 +37,7 @@ class StackOptions:
     env: dict[str, str] = field(default_factory=dict)  # extra KITE_* settings for every service
     log_dir: Path | None = None
     metrics: bool = False  # give every non-gateway service a free KITE_METRICS_PORT
+    redis_data_dir: Path | None = None  # keep the warm tier there across restarts (kite run); None: in memory
 
 
 @dataclass
@@ -87,7 +88,8 @@ class LocalStack:
         self.nats = start_nats(log_file=self.log_dir / "nats-server.log")
         if self.options.with_redis and "KITE_REDIS_URL" not in self.options.env \
                 and find_binary("redis-server"):
-            self.redis = start_redis(log_file=self.log_dir / "redis-server.log")
+            self.redis = start_redis(log_file=self.log_dir / "redis-server.log",
+                                     data_dir=self.options.redis_data_dir)
         for name in self.options.services:
             self.start_service(name)
         for _ in range(self.options.num_workers):
@@ -106,8 +108,11 @@ class LocalStack:
             env["KITE_METRICS_PORT"] = str(metrics_port)
         log_path = self.log_dir / f"{instance_id or name}.log"
         log = log_path.open("ab")
+        # Own session (a terminal's Ctrl-C reaches `kite run` only, which stops services in order), but
+        # dies with its parent: a killed `kite run` or test run leaves no service behind.
         process = subprocess.Popen([sys.executable, "-m", SERVICE_MODULES[name]], env=env,
-                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                   preexec_fn=die_with_parent)
         proc = ServiceProcess(name, process, log_path, metrics_port)
         self.processes.append(proc)
         return proc

@@ -394,9 +394,30 @@ def _exit_before_connected(service: str, signum: int, last_nats_error: str) -> N
     for handler in logging.getLogger().handlers:
         handler.flush()
     sys.stderr.flush()
+    terminate_children()
     # Not SystemExit: raised into whatever was running (model loading, nats-py's connect loop) it could
     # be caught, or leave the interpreter waiting at exit for threads and atexit hooks (tracing exporters).
     os._exit(0)
+
+
+def terminate_children(grace_s: float = 5.0) -> None:
+    """End every process this one started (vLLM's engine-core and model-runner processes, in the
+    worker) before exiting, so none outlives it: they would hold gigabytes and spin on their queues.
+    SIGTERM first, SIGKILL after `grace_s`."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=grace_s)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def run_service(service: str, setup: Callable[[ServiceRuntime], Awaitable[None]]) -> None:
@@ -427,4 +448,7 @@ def run_service(service: str, setup: Callable[[ServiceRuntime], Awaitable[None]]
         await runtime.shutdown()
         log.info("%s stopped", service)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        terminate_children()

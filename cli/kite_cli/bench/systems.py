@@ -6,7 +6,8 @@
 - TransformersSystem: plain `model.generate` in this process on the same converted checkpoint the worker
   serves (no services, no reuse): KITE's overhead.
 - LlamaCppSystem: llama-cpp-python on the same GGUF file, with its `LlamaRAMCache` prompt cache.
-- vLLM is not run here (CPU machine); `vllm_skip_reason()` says why.
+- Plain vLLM is compared in `bench/bench_vllm_peer.py` (`make bench-vllm`), not here: each vLLM server
+  takes about a minute to start and the two must not share the two cores; `vllm_skip_reason()` says so.
 
 All systems decode greedily (temperature 0) from the same token ids: the chat template is applied once,
 by the same tokenizer the fingerprinter uses.
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -249,16 +249,8 @@ class LlamaCppSystem:
 
 
 def vllm_skip_reason() -> str:
-    gpu = shutil.which("nvidia-smi") is not None
-    try:
-        import torch
-
-        gpu = gpu and torch.cuda.is_available()
-    except Exception:
-        pass
-    if not gpu:
-        return "skipped: no GPU on this machine (vLLM needs CUDA; install the `vllm` extra in a separate environment)"
-    return "skipped: not run by this bench (vLLM pins its own torch; run it in a separate environment)"
+    return ("skipped here: plain vLLM against KITE-on-vLLM with the same engine flags is "
+            "bench/bench_vllm_peer.py (make bench-vllm), which runs the two servers one after the other")
 
 
 _METRIC_LINE = re.compile(r'^kite_tier_(\w+?)_total(?:\{([^}]*)\})?\s+(\S+)$')

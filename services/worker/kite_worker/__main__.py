@@ -144,6 +144,14 @@ class WorkerService:
                           self.loaded.identity.fingerprint_hex, shape, engine.options.storage_dtype,
                           mac_key=ru_key())
 
+    @property
+    def pool_read(self) -> bool:
+        """Whether missing prefix blocks are loaded from the pool (by the loader, or vLLM's connector)."""
+        if self.on_vllm:
+            engine = self.loaded.engine
+            return engine.options.reuse and engine.options.pool_read
+        return self.loader is not None
+
     def _vllm_save_limit(self, request: TokenizedRequest, hashes: list) -> int:
         return self.control.writes.num_leading_to_write([bytes(h) for h in hashes])
 

@@ -238,9 +238,9 @@ class WorkerControl:
             if engine.decode_seconds_per_token > 0 else 0.0,
             ttft_p50_s=round(statistics.median(samples), 4) if samples else 0.0,
             ttft_p99_s=round(samples[min(len(samples) - 1, int(0.99 * len(samples)))], 4) if samples else 0.0,
-            ttft_samples=len(samples), healthy=sched._thread.is_alive() and not self.rt.draining,
+            ttft_samples=len(samples), healthy=sched.alive and not self.rt.draining,
             standby=self.standby, draining=self.rt.draining, write_policy=self.writes.policy,
-            pool_read=svc.loader is not None,
+            pool_read=svc.pool_read,
             requests_accepted=self._accepted, activation_decision_id=self._activation_id,
             activation_latency_s=self._activation_latency)
 

@@ -26,6 +26,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,6 +56,30 @@ class AgentOptions:
     staging_bytes: int = 512 << 20
     fetch_timeout_s: float = 5.0  # hard cap on top of the cost model's deadline
     save_wait_s: float = 10.0  # how long a planned save may take to appear before it is given up
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """kv_connector_extra_config, written by the worker's front end."""
+
+    model_fingerprint: str  # hex root hash
+    worker_id: str
+    staging_dir: Path
+    storage_dtype: torch.dtype
+    pool_read: bool
+    pool_write: bool
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorOptions":
+        return cls(model_fingerprint=extra["model_fingerprint"], worker_id=extra["worker_id"],
+                   staging_dir=Path(extra["staging_dir"]), storage_dtype=getattr(torch, extra["storage_dtype"]),
+                   pool_read=bool(extra["pool_read"]), pool_write=bool(extra["pool_write"]))
+
+    @staticmethod
+    def extra_config(model_fingerprint: str, worker_id: str, staging_dir: Path, storage_dtype: str,
+                     pool_read: bool, pool_write: bool) -> dict[str, Any]:
+        return {"model_fingerprint": model_fingerprint, "worker_id": worker_id, "staging_dir": str(staging_dir),
+                "storage_dtype": storage_dtype, "pool_read": pool_read, "pool_write": pool_write}
 
 
 def staged_load_path(staging_dir: Path, block_hash: bytes) -> Path:
@@ -152,7 +177,7 @@ class KVAgent:
         loaded = await self.loader.load(hashes, 0, tenant)
         for block_hash, tensor in loaded:
             path = staged_load_path(self.options.staging_dir, block_hash)
-            _write_atomically(path, tensor.contiguous().view(torch.uint8).numpy().tobytes())
+            write_atomically(path, tensor.contiguous().view(torch.uint8).numpy().tobytes())
             with self._staged_lock:
                 self._staged[bytes(block_hash)] = self._staged.get(bytes(block_hash), 0) + 1
         self._evict_unpinned()
@@ -266,7 +291,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
     """Readers never see a partial file: write beside it, then rename."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}")
     with open(tmp, "wb") as f:

@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -39,8 +39,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kite_shared.config import CommonConfig, load
 from kite_shared.fingerprint import BlockHash
 from kite_shared.service import setup_package_logging
-from kite_worker.kv_agent import AgentOptions, KVAgent, _write_atomically, save_path, staged_load_path
-from kite_worker.kv_plan import BlockCopy, KVPlanner, RequestParams
+from kite_worker.kv_agent import (AgentOptions, ConnectorOptions, KVAgent, save_path, staged_load_path,
+                                  write_atomically)
+from kite_worker.kv_plan import PARAMS_KEY, KVPlanner, RequestParams
+from kite_worker.paged_layout import PagedLayer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,8 +55,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PARAMS_KEY = "kite"  # our entry in a request's kv_transfer_params
-
 
 @dataclass
 class KiteConnectorMetadata(KVConnectorMetadata):
@@ -62,30 +62,6 @@ class KiteConnectorMetadata(KVConnectorMetadata):
 
     loads: list[tuple[int, str]] = field(default_factory=list)  # (paged block id, staged file path)
     saves: list[tuple[int, str]] = field(default_factory=list)  # (paged block id, file path to write)
-
-
-@dataclass(frozen=True)
-class ConnectorOptions:
-    """kv_connector_extra_config, written by the worker's front end."""
-
-    model_fingerprint: str  # hex root hash
-    worker_id: str
-    staging_dir: Path
-    storage_dtype: torch.dtype
-    pool_read: bool
-    pool_write: bool
-
-    @classmethod
-    def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorOptions":
-        return cls(model_fingerprint=extra["model_fingerprint"], worker_id=extra["worker_id"],
-                   staging_dir=Path(extra["staging_dir"]), storage_dtype=getattr(torch, extra["storage_dtype"]),
-                   pool_read=bool(extra["pool_read"]), pool_write=bool(extra["pool_write"]))
-
-    @staticmethod
-    def extra_config(model_fingerprint: str, worker_id: str, staging_dir: Path, storage_dtype: str,
-                     pool_read: bool, pool_write: bool) -> dict[str, Any]:
-        return {"model_fingerprint": model_fingerprint, "worker_id": worker_id, "staging_dir": str(staging_dir),
-                "storage_dtype": storage_dtype, "pool_read": pool_read, "pool_write": pool_write}
 
 
 class KiteConnector(KVConnectorBase_V1):
@@ -227,10 +203,11 @@ class _SchedulerSide:
             n for req_id, n in scheduler_output.num_scheduled_tokens.items() if n >= self.block_size)
         return meta
 
-    def _tokens(self, req_id: str, cached) -> list[int]:
+    def _tokens(self, req_id: str, cached) -> "Sequence[int]":
+        """The request's tokens so far (vLLM's read-only list, not copied: read only when a block fills)."""
         request = self._requests.get(req_id)
         if request is not None:
-            return list(request.all_token_ids)
+            return request.all_token_ids
         return cached.all_token_ids.get(req_id, [])
 
     def on_output(self, output: "KVConnectorOutput") -> None:
@@ -244,51 +221,12 @@ class _SchedulerSide:
         self.planner.finished(request_id)
 
 
-class PagedLayer:
-    """One attention layer's paged KV tensor, read and written as [2, kv heads, block_size, head dim] per
-    block, whatever the backend's physical layout (strides are read, never assumed):
-    - vLLM-CPU (CPU_ATTN): [num_blocks, kv heads, block_size, 2 * head dim]; per head, the block's key
-      rows then its value rows (the kernel views it as [num_blocks, H, 2 * block_size, D]);
-    - FlashAttention-style GPU backends: [2, num_blocks, block_size, kv heads, head dim].
-    The key rows may be in an ISA-specific order inside a block: a whole-block copy keeps it, and the
-    execution-path fingerprint keeps such blocks away from any other engine."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        if tensor.dim() == 4:  # CPU_ATTN
-            _, heads, block_size, width = tensor.shape
-            self.kv_first = False
-            self.block_shape = (heads, block_size, width // 2)
-        elif tensor.dim() == 5 and tensor.shape[0] == 2:
-            _, _, block_size, heads, head_dim = tensor.shape
-            self.kv_first = True
-            self.block_shape = (heads, block_size, head_dim)
-        else:
-            raise ValueError(f"unsupported paged KV layout {tuple(tensor.shape)}")
-
-    def read(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """[n, 2, H, B, D] copies of these blocks."""
-        heads, block_size, head_dim = self.block_shape
-        if self.kv_first:
-            return self.tensor.index_select(1, block_ids).permute(1, 0, 3, 2, 4).contiguous()
-        blocks = self.tensor.index_select(0, block_ids).view(-1, heads, 2, block_size, head_dim)
-        return blocks.transpose(1, 2).contiguous()
-
-    def write(self, block_id: int, values: torch.Tensor) -> None:
-        """Store one block given as [2, H, B, D] (any dtype; converted to the cache's)."""
-        heads, block_size, head_dim = self.block_shape
-        if self.kv_first:
-            self.tensor[:, block_id].copy_(values.permute(0, 2, 1, 3))
-        else:
-            self.tensor[block_id].view(heads, 2, block_size, head_dim).copy_(values.transpose(0, 1))
-
-
 class _WorkerSide:
     def __init__(self, connector: KiteConnector) -> None:
         self.options = connector.options
         self.layers: list[PagedLayer] = []
         self._load_errors: set[int] = set()
-        self._writes: queue.Queue[tuple[str, torch.Tensor] | None] = queue.Queue()
+        self._writes: queue.Queue[tuple[str, bytes] | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="kite-kv-save", daemon=True)
         self._writer.start()
 
@@ -312,11 +250,13 @@ class _WorkerSide:
         if not saves:
             return
         ids = torch.tensor([block_id for block_id, _ in saves], dtype=torch.long)
-        # One gather per layer now (the request may free these blocks right after this step); the
-        # dtype conversion and the file write happen on the writer thread.
-        gathered = torch.stack([layer.read(ids) for layer in self.layers], dim=1)  # [n, L, 2, H, B, D]
+        # Copy now (the request may free these blocks right after this step), in the storage dtype, on
+        # this thread: a torch operation on another thread would start a second OpenMP team beside the
+        # model's, and on a small machine the two teams' spin-waits slow every step (measured: the
+        # engine-core process took 40% of a core). The writer thread only writes bytes.
+        gathered = torch.stack([layer.read(ids) for layer in self.layers], dim=1).to(self.options.storage_dtype)
         for (_, path), block in zip(saves, gathered):
-            self._writes.put((path, block))
+            self._writes.put((path, block.view(torch.uint8).numpy().tobytes()))
         log.debug("saving %d blocks", len(saves))
 
     def _write_loop(self) -> None:
@@ -324,10 +264,9 @@ class _WorkerSide:
             item = self._writes.get()
             if item is None:
                 return
-            path, block = item
+            path, data = item
             try:
-                data = block.to(self.options.storage_dtype).contiguous().view(torch.uint8).numpy().tobytes()
-                _write_atomically(Path(path), data)
+                write_atomically(Path(path), data)
             except OSError as exc:  # the agent gives up waiting for it: one block not saved
                 log.warning("could not stage saved block %s: %r", Path(path).name, exc)
 

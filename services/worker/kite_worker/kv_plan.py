@@ -26,11 +26,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 from kite_shared.fingerprint import BlockHash, block_hash_chain
 
-HashChainFn = Callable[[Sequence[int], int], list[BlockHash]]  # (tokens, block_size) -> chain
+PARAMS_KEY = "kite"  # KITE's entry in a vLLM request's kv_transfer_params
 
 
 @dataclass(frozen=True)

