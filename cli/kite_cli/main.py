@@ -19,8 +19,8 @@ def _run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"starting KITE: nats-server and 5 services (logs in {stack.log_dir}); the first start compiles "
-          "the model in vLLM (about 3 minutes on 2 cores, about 1 minute later) ...", flush=True)
+    print(f"starting KITE: nats-server and 5 services (logs in {stack.log_dir}); the worker compiles "
+          "the model in vLLM (2-3 minutes on 2 cores) ...", flush=True)
     try:
         stack.start(timeout_s=900)
     except BaseException as exc:

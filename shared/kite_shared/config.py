@@ -158,9 +158,9 @@ SETTINGS: tuple[Setting, ...] = (
             "GiB of memory vLLM's paged KV cache takes (its kv_cache_memory_bytes; on CPUs a "
             "VLLM_CPU_KVCACHE_SPACE in the environment overrides it).", minimum=0.05),
     Setting("KITE_VLLM_ENFORCE_EAGER", bool, "off", WORKER,
-            "Run vLLM without torch.compile: starts in about 45 s instead of about 155 s on the 2-core "
-            "development machine (the compile cache under ~/.cache/vllm is reused after the first start), "
-            "and serves 25-35% slower."),
+            "Run vLLM without torch.compile: a worker starts in about 40 s instead of 100-150 s on the 2-core "
+            "development machine (vllm-cpu 0.32 compiles again at every start: its compile cache fails to "
+            "load), and serves 25-35% slower."),
     Setting("KITE_VLLM_MAX_NUM_SEQS", int, "64", WORKER,
             "Requests vLLM batches at once (its max_num_seqs); the continuous batching is vLLM's.",
             minimum=1),

@@ -9,18 +9,19 @@ stack walks through the phases in order.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
-import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
 
-from tests.integration.conftest import MODEL, _start
 from kite_cli.stack import StackOptions
+from tests.integration.conftest import MODEL, _start
 
 BLOCK = 32  # KITE_BLOCK_SIZE for vLLM (one vLLM-CPU block)
 SYSTEM = {"role": "system", "content": "You are the vLLM connector test assistant. " +
@@ -139,3 +140,23 @@ def test_corrupted_units_are_misses_on_vllm(vllm_stack):
     served = chat(stack, question)
     assert cached(served) == 0
     assert answer(served) == reference
+
+
+def test_shared_prompt_users_are_admitted_not_shed(fresh_stack_factory):
+    """Issue 12: 16 users at 8 concurrent on one shared system prompt must never be refused. Admission
+    control (the arbitrator's prediction of time to first token) counts only the tokens vLLM will compute
+    after its prefix-cache hits, not whole prompts."""
+    stack = fresh_stack_factory(num_workers=1, env=dict(VLLM_ENV))
+    shared = {"role": "system", "content": SYSTEM["content"] * 3}  # about 1,000 tokens
+
+    def ask(i: int) -> httpx.Response:
+        return httpx.post(stack.http_url + "/v1/chat/completions", timeout=300, json={
+            "model": MODEL, "temperature": 0, "max_tokens": 16,
+            "messages": [shared, {"role": "user", "content": f"User {i}: which rule matters most?"}]})
+
+    assert ask(-1).status_code == 200  # the shared prefix is computed once
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(ask, range(16)))
+    refused = [r.text for r in responses if r.status_code != 200]
+    assert not refused, refused
+    assert all(cached(r) >= 900 for r in responses)
