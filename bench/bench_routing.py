@@ -120,6 +120,16 @@ async def run(url: str, nats_url: str, sessions: int, turns: int, max_tokens: in
     return results
 
 
+def wait_for_workers(stack: LocalStack, timeout_s: float) -> None:
+    """Until every worker has logged that it is ready (a vLLM worker takes a minute or more to start)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all("worker ready" in stack.tail(w, 1_000_000) for w in stack.workers()):
+            return
+        time.sleep(1)
+    raise TimeoutError("the workers were not ready in time")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=8)
@@ -139,7 +149,7 @@ def main() -> None:
         if not args.pool_read:
             env["KITE_WORKER_POOL_READ"] = "off"
         with LocalStack(StackOptions(num_workers=2, env=env)) as stack:
-            time.sleep(5)  # both workers loaded (the stack is healthy as soon as one is)
+            wait_for_workers(stack, timeout_s=900)  # the stack is healthy as soon as one worker is
             results = asyncio.run(run(stack.http_url, stack.nats.url, args.sessions, args.turns,
                                       args.max_tokens))
     print(f"\n{args.sessions} concurrent sessions x {args.turns} turns over 2 workers, "
