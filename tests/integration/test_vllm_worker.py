@@ -9,10 +9,6 @@ stack walks through the phases in order.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,6 +18,7 @@ import redis
 
 from kite_cli.stack import StackOptions
 from tests.integration.conftest import MODEL, _start
+from tests.integration.test_pool_reuse import wait_for_warm_blocks
 
 BLOCK = 32  # KITE_BLOCK_SIZE for vLLM (one vLLM-CPU block)
 SYSTEM = {"role": "system", "content": "You are the vLLM connector test assistant. " +
@@ -60,21 +57,6 @@ def cached(r: httpx.Response) -> int:
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def pool_stats(stack) -> dict:
-    out = subprocess.run([sys.executable, "-m", "kite_cli.main", "pool", "--nats-url", stack.nats.url, "stats"],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
-    return json.loads(out)
-
-
-def wait_for_blocks(stack, tier: str, minimum: int, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pool_stats(stack)["tiers"][tier]["blocks"] >= minimum:
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"the pool's {tier} tier never reached {minimum} blocks: {pool_stats(stack)}")
-
-
 def replace_worker(stack) -> str:
     """A fresh vLLM worker (empty prefix cache) instead of the current one; returns its instance id."""
     for worker in stack.workers():
@@ -100,7 +82,7 @@ def test_reuse_on_vllm_equals_recompute_across_workers_tiers_and_restarts(vllm_s
     assert hit.json()["usage"]["completion_tokens"] == 24
 
     # The connector saved the prompt's blocks to the pool (memory and Redis).
-    wait_for_blocks(stack, "warm", minimum=system_blocks)
+    wait_for_warm_blocks(stack, minimum=system_blocks)
 
     # 2. A worker that never computed the prompt loads it from the pool (hot tier).
     new_worker = replace_worker(stack)
@@ -124,7 +106,7 @@ def test_corrupted_units_are_misses_on_vllm(vllm_stack):
     question = "Is a corrupted block ever served by vLLM?"
     reference = answer(chat(stack, question, reuse=False))
     chat(stack, question)  # saves the prompt's blocks
-    wait_for_blocks(stack, "warm", minimum=10)
+    wait_for_warm_blocks(stack, minimum=10)
     client = redis.Redis.from_url(stack.redis.url)
     keys = list(client.scan_iter("kite:ru:*"))
     assert keys
