@@ -36,7 +36,7 @@ async def test_one_request_is_one_trace_across_every_service(nats_server, export
     from kite_fingerprinter.__main__ import FingerprinterService, build_core
     from kite_gateway.__main__ import start_gateway
     from kite_ru_pool.service import PoolService
-    from kite_worker.__main__ import WorkerService, load_engine
+    from kite_worker.service import WorkerService, load_engine
 
     monkeypatch.setenv("KITE_COLD_DIR", str(tmp_path / "cold"))
     monkeypatch.setenv("KITE_REDIS_URL", "")

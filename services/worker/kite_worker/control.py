@@ -31,7 +31,7 @@ from kite_shared.messages import TokenizedRequest, decode_or_log
 from kite_shared.telemetry import WRITE_POLICIES, Decision, WorkerTelemetry
 
 if TYPE_CHECKING:
-    from kite_worker.__main__ import WorkerService
+    from kite_worker.service import WorkerService
     from kite_worker.engine import NewBlock
 
 log = logging.getLogger(__name__)
