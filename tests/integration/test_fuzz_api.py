@@ -1,6 +1,8 @@
 """Bad input against a real stack: schemathesis fuzzing of the gateway's OpenAPI schema (>= 50 examples
-per operation and generation mode, zero 5xx, every error an OpenAI error object), plus explicit HTTP and
-gRPC cases: oversized bodies, bad UTF-8, huge n, negative and absurd parameters, bad salts, bad keys.
+per operation and generation mode, zero 5xx, every error an OpenAI error object, every answer's status,
+content type, headers and body as the schema documents them), plus explicit HTTP and gRPC cases: oversized
+bodies, bad UTF-8, huge n, negative and absurd parameters, bad salts, bad keys, unknown models, methods a
+path does not serve.
 
 The stack runs with auth on (the fuzzer sends a valid key) and KITE_DEFAULT_MAX_TOKENS=4; generated
 max_tokens values that fit the context are clamped to 4, so valid requests stay short on 2 cores (values
@@ -18,6 +20,7 @@ import hypothesis
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase
+from schemathesis import checks
 
 from kite_cli.stack import StackOptions
 from kite_shared.grpc_gen import kite_pb2, kite_pb2_grpc
@@ -29,6 +32,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_BODY = 65536
 EXAMPLES = 50
 CLAMP_BELOW = 100_000  # max_tokens values below this are clamped to 4 (beyond the context they are a 400)
+# The published schema must describe what the stack really answers.
+CONFORMANCE = [checks.status_code_conformance, checks.content_type_conformance,
+               checks.response_headers_conformance, checks.response_schema_conformance]
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +84,7 @@ def _fuzz(operation, mode, base_url: str) -> list[int]:
             f"{response.status_code} for {case.as_curl_command()}: {response.text[:500]}")
         if response.status_code >= 400:
             assert_openai_error(response)
+        case.validate_response(response, checks=CONFORMANCE)
 
     one()
     return statuses
@@ -146,7 +153,7 @@ def test_bad_utf8_and_bad_json_are_400(fuzz_stack, raw):
     ({"seed": 2**70}, "seed"), ({"seed": "x"}, "seed"), ({"stop": ["a"] * 5}, "stop"),
     ({"presence_penalty": 9}, "presence_penalty"), ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, None), ({"model": ""}, "model"),
-    ({"model": "no-such-model"}, None), ({"logprobs": True}, "logprobs"), ({"stream": [1]}, "stream"),
+    ({"logprobs": True}, "logprobs"), ({"stream": [1]}, "stream"),
     ({"cache_salt": 5}, "cache_salt"), ({"cache_salt": "s" * 257}, "cache_salt"), ({"cache_salt": None}, "cache_salt"),
     ({"cache_salt": ["a"]}, "cache_salt"), ({"kite": {"reuse": "maybe"}}, None),
 ])
@@ -164,6 +171,17 @@ def test_absurd_chat_parameters_are_400(fuzz_stack, change, param):
 ])
 def test_absurd_completion_parameters_are_400(fuzz_stack, change):
     assert_openai_error(post(fuzz_stack, "/v1/completions", json={"model": MODEL, "max_tokens": 2, **change}), 400)
+
+
+def test_unknown_model_is_404_and_wrong_methods_are_405_with_allow(fuzz_stack):
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"model": MODEL, "prompt": "x"})):
+        err = assert_openai_error(post(fuzz_stack, path, json={**body, "model": "no-such-model"}), 404)
+        assert err["code"] == "model_not_found" and err["type"] == "invalid_request_error"
+    for method, path, allowed in (("GET", "/v1/chat/completions", "POST"), ("DELETE", "/v1/completions", "POST"),
+                                  ("POST", "/v1/models", "GET"), ("PUT", "/metrics", "GET")):
+        r = httpx.request(method, fuzz_stack.http_url + path, headers=AUTH, timeout=30)
+        assert_openai_error(r, 405)
+        assert allowed in r.headers["allow"], (method, path, r.headers)
 
 
 def test_bad_keys_are_401(fuzz_stack):
@@ -202,7 +220,7 @@ def _grpc_code(channel, request_bytes: bytes, metadata=(("authorization", f"Bear
     dict(model=MODEL, prompt="x", max_tokens=2**32 - 1), dict(model=MODEL, prompt="x", max_tokens=0),
     dict(model=MODEL, prompt="x", temperature=1e308), dict(model=MODEL, prompt="x", top_p=-1.0),
     dict(model=MODEL, prompt="x", cache_salt="s" * 257), dict(model=MODEL, prompt="x", stop=["a"] * 5),
-    dict(model=MODEL, prompt_token_ids=kite_pb2.TokenIds(ids=[2**32 - 1])), dict(model="no-such", prompt="x"),
+    dict(model=MODEL, prompt_token_ids=kite_pb2.TokenIds(ids=[2**32 - 1])),
     dict(model=MODEL), dict(prompt="x"),
 ])
 def test_grpc_absurd_fields_are_invalid_argument(channel, fields):
@@ -219,4 +237,6 @@ def test_grpc_garbage_bad_utf8_oversized_and_bad_keys(channel):
     ok = kite_pb2.GenerateRequest(model=MODEL, prompt="x", max_tokens=1).SerializeToString()
     for metadata in ((), (("authorization", "Bearer nope"),), (("authorization", KEY),)):
         assert _grpc_code(channel, ok, metadata) == grpc.StatusCode.UNAUTHENTICATED
+    unknown = kite_pb2.GenerateRequest(model="no-such", prompt="x").SerializeToString()
+    assert _grpc_code(channel, unknown) == grpc.StatusCode.NOT_FOUND  # HTTP's 404
     assert _grpc_code(channel, ok) == grpc.StatusCode.OK

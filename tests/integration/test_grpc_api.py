@@ -129,9 +129,11 @@ def test_invalid_temperature_is_invalid_argument(kite_stack, stub):
     assert _trailers(err)["kite-error-code"] == "invalid_value"
 
 
-def test_unknown_model_and_too_long_are_invalid_argument(kite_stack, stub):
-    err = _invalid(stub, model="gpt-17", messages=QUESTION)
-    assert _trailers(err)["kite-error-code"] == "model_not_found"
+def test_unknown_model_is_not_found_and_too_long_is_invalid_argument(kite_stack, stub):
+    with pytest.raises(grpc.RpcError) as info:  # HTTP's 404
+        list(stub.Generate(kite_pb2.GenerateRequest(model="gpt-17", messages=QUESTION), timeout=CALL_TIMEOUT_S))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert _trailers(info.value)["kite-error-code"] == "model_not_found"
     err = _invalid(stub, model=kite_stack.model, messages=QUESTION, max_tokens=100_000)
     assert _trailers(err)["kite-error-code"] == "context_length_exceeded"
     # The gateway still serves after refusals.
@@ -342,7 +344,7 @@ async def test_bad_fields_are_invalid_argument_before_any_service(scripted, fiel
 
 
 @pytest.mark.parametrize("code, status, retry", [
-    ("model_not_found", grpc.StatusCode.INVALID_ARGUMENT, False),
+    ("model_not_found", grpc.StatusCode.NOT_FOUND, False),
     ("context_length_exceeded", grpc.StatusCode.INVALID_ARGUMENT, False),
     ("no_worker", grpc.StatusCode.UNAVAILABLE, True),
     ("overloaded", grpc.StatusCode.UNAVAILABLE, True),

@@ -5,6 +5,8 @@ as processes) with KITE_AUTH_ENABLED on, two tenants, and an explicit cluster se
   does not (cached_tokens == 0), over HTTP and gRPC;
 - missing or wrong keys: 401 OpenAI error objects over HTTP, UNAUTHENTICATED over gRPC;
 - the worker's units carry a valid HMAC under the cluster secret (the ru-pool refuses none);
+- per-tenant rate limits: a tenant over its request or token rate gets 429 + Retry-After (gRPC
+  RESOURCE_EXHAUSTED + retry-after) while another tenant's requests in the same minute are served;
 - no key and no secret ever appears in any log of the stack (checked last).
 """
 
@@ -33,6 +35,8 @@ from tests.integration.conftest import MODEL, _start
 
 ALICE_KEY = "kite-alice-" + secrets.token_hex(12)
 BOB_KEY = "kite-bob-" + secrets.token_hex(12)
+CAROL_KEY = "kite-carol-" + secrets.token_hex(12)  # 2 requests per minute
+DAVE_KEY = "kite-dave-" + secrets.token_hex(12)  # 100 tokens per minute
 WRONG_KEY = "kite-wrong-" + secrets.token_hex(12)
 CLUSTER_SECRET = "cluster-" + secrets.token_hex(16)
 # Long enough for several full 16-token blocks, unique per run so no earlier cache can answer.
@@ -45,7 +49,12 @@ MESSAGES = [{"role": "user", "content": PROMPT}]
 def secure_stack():
     stack = _start(StackOptions(num_workers=1, env={
         "KITE_AUTH_ENABLED": "on",
-        "KITE_API_KEYS": f"alice:{hash_api_key(ALICE_KEY)},bob:{hash_api_key(BOB_KEY)}",
+        "KITE_API_KEYS": f"alice:{hash_api_key(ALICE_KEY)},bob:{hash_api_key(BOB_KEY)},"
+                         f"carol:{hash_api_key(CAROL_KEY)},dave:{hash_api_key(DAVE_KEY)}",
+        # Every tenant gets the default, far above what these tests send; carol and dave are overridden.
+        "KITE_GATEWAY_TENANT_REQUESTS_PER_MINUTE": "600",
+        "KITE_GATEWAY_TENANT_REQUEST_LIMITS": "carol=2",
+        "KITE_GATEWAY_TENANT_TOKEN_LIMITS": "dave=100",
         "KITE_CLUSTER_SECRET": CLUSTER_SECRET,
         "KITE_LOG_LEVEL": "DEBUG",
     }))
@@ -112,6 +121,57 @@ def test_grpc_without_a_valid_key_is_unauthenticated(secure_stack, metadata):
         assert health.status == kite_pb2.HealthResponse.SERVING
 
 
+def assert_rate_limited(response: httpx.Response, limit: str) -> int:
+    assert response.status_code == 429, response.text
+    assert response.json() == {"error": {"message": response.json()["error"]["message"], "type": "rate_limit_error",
+                                         "param": None, "code": "rate_limit_exceeded"}}
+    assert f"{limit} per minute" in response.json()["error"]["message"]
+    retry_after = int(response.headers["retry-after"])
+    assert retry_after >= 1
+    return retry_after
+
+
+def test_tenant_over_its_request_rate_gets_429_and_other_tenants_are_served(secure_stack):
+    for remaining in ("1", "0"):
+        r = chat(secure_stack, CAROL_KEY)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-ratelimit-limit-requests"] == "2"
+        assert r.headers["x-ratelimit-remaining-requests"] == remaining
+    # A bucket of 2 refilled at one request per 30 s: the third request within the minute waits for that.
+    assert assert_rate_limited(chat(secure_stack, CAROL_KEY), "requests") <= 30
+    # The same minute, another tenant: served, under the default limit.
+    r = chat(secure_stack, BOB_KEY)
+    assert r.status_code == 200 and r.headers["x-ratelimit-limit-requests"] == "600"
+    # gRPC shares carol's budget.
+    with grpc.insecure_channel(secure_stack.grpc_target) as channel:
+        stub = kite_pb2_grpc.KiteStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(kite_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=1), timeout=60,
+                               metadata=(("authorization", f"Bearer {CAROL_KEY}"),)))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    trailers = dict(info.value.trailing_metadata())
+    assert trailers["kite-error-code"] == "rate_limit_exceeded" and 1 <= int(trailers["retry-after"]) <= 30
+    assert grpc_cached(secure_stack, BOB_KEY) >= 0  # bob's gRPC call is served meanwhile
+
+
+def test_tenant_over_its_token_rate_gets_429_and_other_tenants_are_served(secure_stack):
+    def complete(key: str) -> httpx.Response:
+        # 30 prompt token ids + exactly 20 generated tokens: 50 tokens, estimated and measured alike.
+        return httpx.post(secure_stack.http_url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                          timeout=120, json={"model": MODEL, "prompt": list(range(1000, 1030)), "max_tokens": 20,
+                                             "temperature": 0, "kite": {"ignore_eos": True}})
+
+    first = complete(DAVE_KEY)
+    assert first.status_code == 200, first.text
+    assert first.json()["usage"]["total_tokens"] == 50
+    assert first.headers["x-ratelimit-limit-tokens"] == "100"
+    assert first.headers["x-ratelimit-remaining-tokens"] == "50"
+    assert complete(DAVE_KEY).status_code == 200  # 50 left, plus what refilled meanwhile
+    # 100 tokens per minute refill at 1.67 per second: the third 50 are about 30 s away.
+    assert 10 <= assert_rate_limited(complete(DAVE_KEY), "tokens") <= 30
+    assert complete(ALICE_KEY).status_code == 200  # another tenant, same minute
+
+
 async def test_worker_units_carry_a_valid_mac(secure_stack):
     nc = await nats.connect(secure_stack.nats.url)
     try:
@@ -156,7 +216,7 @@ def test_zz_no_key_or_secret_in_any_log(secure_stack):
     logs = {p.name: p.read_bytes() for p in secure_stack.log_dir.glob("*.log")}
     assert any(name.startswith("gateway") for name in logs) and any(name.startswith("worker") for name in logs)
     assert sum(len(data) for data in logs.values()) > 0
-    for needle in (ALICE_KEY, BOB_KEY, WRONG_KEY, CLUSTER_SECRET):
+    for needle in (ALICE_KEY, BOB_KEY, CAROL_KEY, DAVE_KEY, WRONG_KEY, CLUSTER_SECRET):
         for name, data in logs.items():
             assert needle.encode() not in data, f"{name} contains a secret"
     # Nor anything a `ps` of the stack would print besides the environment (argv carries no secret).

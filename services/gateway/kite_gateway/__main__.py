@@ -11,12 +11,14 @@ from nats.aio.msg import Msg
 from kite_shared import subjects
 from kite_shared.config import GatewayConfig, load
 from kite_shared.messages import Heartbeat, decode_or_log
+from kite_shared.security import ANONYMOUS_TENANT
 from kite_shared.service import ServiceRuntime, run_service
 from kite_gateway.auth import Authenticator
 from kite_gateway.control import GatewayControl
 from kite_gateway.fleet import Fleet
 from kite_gateway.generation import GenerationClient
 from kite_gateway.http_api import create_app
+from kite_gateway.rate_limit import TenantRateLimiter
 
 log = logging.getLogger("kite_gateway")
 
@@ -46,7 +48,9 @@ async def start_gateway(rt: ServiceRuntime, cfg: GatewayConfig) -> GenerationCli
         log.warning("authentication is off (KITE_AUTH_ENABLED=off): every caller is tenant 'anonymous'")
     else:
         log.info("authentication on: %d tenant(s)", len(authenticator.tenants))
-    app = create_app(lambda: client, cfg.model_name, cfg.max_n, cfg.max_body_bytes, authenticator)
+    limiter = TenantRateLimiter.from_config(cfg)
+    _log_rate_limits(cfg, authenticator)
+    app = create_app(lambda: client, cfg.model_name, cfg.max_n, cfg.max_body_bytes, authenticator, limiter)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.http_port, log_level="warning",
                                            access_log=False, lifespan="off"))
     http_task = asyncio.create_task(server.serve())
@@ -54,7 +58,7 @@ async def start_gateway(rt: ServiceRuntime, cfg: GatewayConfig) -> GenerationCli
     if cfg.grpc_port:
         from kite_gateway.grpc_api import start_grpc_server
 
-        grpc_server = await start_grpc_server(client, cfg, authenticator)
+        grpc_server = await start_grpc_server(client, cfg, authenticator, limiter)
         stoppers.append(lambda: grpc_server.stop(grace=30))
 
     async def drain() -> None:
@@ -67,6 +71,17 @@ async def start_gateway(rt: ServiceRuntime, cfg: GatewayConfig) -> GenerationCli
     rt.on_drain(drain)
     log.info("HTTP on http://%s:%d", cfg.host, cfg.http_port)
     return client
+
+
+def _log_rate_limits(cfg: GatewayConfig, authenticator: Authenticator) -> None:
+    requests, tokens = cfg.tenant_request_overrides(), cfg.tenant_token_overrides()
+    log.info("tenant rate limits per minute (in this gateway process): requests %s, tokens %s; "
+             "overrides: requests %s, tokens %s", cfg.tenant_requests_per_minute or "unlimited",
+             cfg.tenant_tokens_per_minute or "unlimited", requests or "none", tokens or "none")
+    # A misspelt tenant silently keeps the default limit: say so at startup.
+    known = authenticator.tenants if authenticator.enabled else {ANONYMOUS_TENANT}
+    for tenant in sorted((set(requests) | set(tokens)) - known):
+        log.warning("a rate limit override names tenant %r, which no API key belongs to", tenant)
 
 
 def main() -> None:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kite_shared.messages import ErrorInfo
+from kite_gateway.rate_limit import RateLimitExceeded
 
 # code reported by a service -> (HTTP status, OpenAI error type)
 _BAD_REQUEST = (400, "invalid_request_error")
 _UNAVAILABLE = (503, "service_unavailable")
 STATUS_BY_CODE: dict[str, tuple[int, str]] = {
-    "model_not_found": _BAD_REQUEST,
+    # 404 as OpenAI's API and vLLM answer an unknown model (clients key "does not exist" on it).
+    "model_not_found": (404, "invalid_request_error"),
     "context_length_exceeded": _BAD_REQUEST,
     "invalid_prompt": _BAD_REQUEST,
     "invalid_messages": _BAD_REQUEST,
@@ -38,6 +40,14 @@ class ApiError(Exception):
     code: str | None = None
     param: str | None = None
     retry_after_s: int | None = None
+    extra_headers: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def rate_limited(cls, exc: RateLimitExceeded) -> "ApiError":
+        # The code is OpenAI's; OpenAI's own type field says `requests` or `tokens`, which the message says
+        # here: clients key on the status and the code.
+        return cls(status=429, message=str(exc), type="rate_limit_error", code="rate_limit_exceeded",
+                   retry_after_s=exc.retry_after_s, extra_headers=exc.headers)
 
     @classmethod
     def from_info(cls, info: ErrorInfo) -> "ApiError":
@@ -49,7 +59,9 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def headers(self) -> dict[str, str]:
-        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else {}
+        headers = dict(self.extra_headers)
+        if self.retry_after_s:
+            headers["Retry-After"] = str(self.retry_after_s)
         if self.status == 401:
             headers["WWW-Authenticate"] = "Bearer"
         return headers

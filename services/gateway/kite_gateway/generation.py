@@ -41,6 +41,7 @@ from kite_shared.service import request_id_var
 from kite_shared.tracing import SpanKind, headers_with_context, tracer
 from kite_gateway.errors import ApiError
 from kite_gateway.fleet import Fleet
+from kite_gateway.rate_limit import Permit, RateLimitExceeded, TenantRateLimiter
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,9 @@ _MIGRATION_ADMIT_TIMEOUT_S = 5.0
 
 MIGRATIONS = Counter("kite_gateway_migrations_total",
                      "Generations re-submitted to another worker mid-stream, by outcome", ["outcome"])
+RATE_LIMITED = Counter("kite_gateway_rate_limited_total",
+                       "Requests refused with 429 because their tenant was over a rate limit, by limit",
+                       ["limit"])
 
 
 class _Migratable(Exception):
@@ -281,6 +285,23 @@ class GenerationClient:
             return True
         except (NoRespondersError, NatsTimeoutError):
             return False
+
+
+def prompt_size(params: GenerationParams) -> tuple[int, int]:
+    """(characters, token ids) of a generation's prompt: what the rate limiter's token estimate counts."""
+    chars = sum(len(m.content) for m in params.messages or ()) + len(params.prompt or "")
+    return chars, len(params.prompt_token_ids or ())
+
+
+def rate_permit(limiter: TenantRateLimiter, tenant: str, tokens: int) -> Permit:
+    """Charge a request to its tenant's rate limits; ApiError 429 + Retry-After when it is over one."""
+    try:
+        return limiter.acquire(tenant, tokens)
+    except RateLimitExceeded as exc:
+        RATE_LIMITED.labels(exc.limit).inc()
+        log.info("tenant %s over its %s per minute limit (%d); retry after %d s", exc.tenant, exc.limit,
+                 exc.per_minute, exc.retry_after_s)
+        raise ApiError.rate_limited(exc) from None
 
 
 async def collect(generation: Generation) -> tuple[str, StreamEnd]:

@@ -4,10 +4,13 @@ The gRPC twin of the HTTP API: the same `GenerationClient`, the same parameter r
 `openai_protocol` (temperature 0..2, top_p (0, 1], max_tokens >= 1, at most 4 stop strings) and the same
 service error codes, mapped to gRPC status codes instead of HTTP statuses:
 
-    400 -> INVALID_ARGUMENT   503 -> UNAVAILABLE   504 -> DEADLINE_EXCEEDED   500 (and anything else) -> INTERNAL
+    400 -> INVALID_ARGUMENT   404 -> NOT_FOUND (model_not_found)   429 -> RESOURCE_EXHAUSTED
+    503 -> UNAVAILABLE   504 -> DEADLINE_EXCEEDED   500 (and anything else) -> INTERNAL
 
 With KITE_AUTH_ENABLED on, Generate needs metadata `authorization: Bearer <key>` (UNAUTHENTICATED
-otherwise, checked before anything else); Health stays open. The tenant decides the cache salt.
+otherwise, checked before anything else); Health stays open. The tenant decides the cache salt. A tenant
+over its request or token rate limit (`rate_limit.TenantRateLimiter`, shared with the HTTP API) gets
+RESOURCE_EXHAUSTED `rate_limit_exceeded` before any service is asked.
 
 A failing call carries trailing metadata `kite-error-code` (the code HTTP reports in error.code) and, when
 a retry may succeed, `retry-after` (seconds). The client's deadline bounds admission and streaming; when
@@ -30,8 +33,9 @@ from kite_shared.security import tenant_cache_salt
 from kite_shared.service import tenant_var
 from kite_gateway.auth import Authenticator
 from kite_gateway.errors import ApiError
-from kite_gateway.generation import GenerationClient, GenerationParams
+from kite_gateway.generation import GenerationClient, GenerationParams, prompt_size, rate_permit
 from kite_gateway.openai_protocol import MAX_STOP_STRINGS
+from kite_gateway.rate_limit import TenantRateLimiter
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +43,8 @@ CALLS = Counter("kite_grpc_calls_total", "gRPC API calls by method and final sta
 
 _STATUS_BY_HTTP = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
@@ -168,9 +174,11 @@ class _Failure(Exception):
 
 
 class KiteService(kite_pb2_grpc.KiteServicer):
-    def __init__(self, client: GenerationClient, authenticator: Authenticator | None = None) -> None:
+    def __init__(self, client: GenerationClient, authenticator: Authenticator | None = None,
+                 rate_limiter: TenantRateLimiter | None = None) -> None:
         self._client = client
         self._auth = authenticator or Authenticator.disabled()
+        self._limiter = rate_limiter or TenantRateLimiter()
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> str:
         if not self._auth.enabled:
@@ -206,15 +214,26 @@ class KiteService(kite_pb2_grpc.KiteServicer):
             raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid_value") from None
         params.cache_salt = tenant_cache_salt(tenant, params.cache_salt)
         params.tenant = tenant
+        try:
+            permit = rate_permit(self._limiter, tenant, self._limiter.estimate_tokens(
+                *prompt_size(params), max_tokens=params.sampling.max_tokens))
+        except ApiError as exc:
+            raise _Failure.from_api_error(exc) from None
         # gRPC also cancels this task when the deadline passes, but then the call ends as a bare
         # cancellation; bounding the work here ends it as DEADLINE_EXCEEDED with its error code, and
         # without relying on that. None (no deadline) means no timeout.
         deadline = asyncio.timeout(context.time_remaining())
         try:
             async with deadline:
-                generation = await self._client.open(params)
+                try:
+                    generation = await self._client.open(params)
+                except BaseException:
+                    permit.refund()  # refused before any token was computed
+                    raise
                 try:
                     async for event in generation.events():
+                        if isinstance(event, StreamEnd):
+                            permit.settle(event.usage.prompt_tokens + event.usage.completion_tokens)
                         for response in _responses(event):
                             await context.write(response)
                 finally:
@@ -272,7 +291,8 @@ def bind_address(host: str, port: int) -> str:
 
 
 async def start_grpc_server(client: GenerationClient, cfg: GatewayConfig,
-                            authenticator: Authenticator | None = None) -> grpc.aio.Server:
+                            authenticator: Authenticator | None = None,
+                            rate_limiter: TenantRateLimiter | None = None) -> grpc.aio.Server:
     """Serve kite.v1.Kite on cfg.host:cfg.grpc_port; the caller stops it (server.stop(grace)) to drain."""
     server = grpc.aio.server(options=[
         # gRPC sets SO_REUSEPORT by default, which would let a second gateway silently share the port
@@ -281,7 +301,7 @@ async def start_grpc_server(client: GenerationClient, cfg: GatewayConfig,
         # The same request size bound as the HTTP API.
         ("grpc.max_receive_message_length", cfg.max_body_bytes),
     ])
-    _add_servicer(KiteService(client, authenticator), server)
+    _add_servicer(KiteService(client, authenticator, rate_limiter), server)
     address = bind_address(cfg.host, cfg.grpc_port)
     try:
         port = server.add_insecure_port(address)

@@ -8,6 +8,10 @@ followed by `data: [DONE]`.
 Authentication (`auth.Authenticator`): /v1/* needs `Authorization: Bearer <key>` when KITE_AUTH_ENABLED
 is on (401 `invalid_api_key` / `missing_api_key` otherwise, checked before the body is read); /health,
 /metrics and /openapi.json stay open. The caller's tenant, not the client, decides the cache salt.
+
+Rate limits (`rate_limit.TenantRateLimiter`): a valid generation request of a tenant over its request or
+token rate gets 429 `rate_limit_exceeded` with Retry-After before any service is asked; admitted ones
+carry OpenAI's x-ratelimit-* headers. /openapi.json documents every error status with the error object.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -30,9 +34,11 @@ from kite_shared.security import tenant_cache_salt
 from kite_shared.service import tenant_var
 from kite_gateway.auth import Authenticator
 from kite_gateway.errors import ApiError
-from kite_gateway.generation import Generation, GenerationClient, GenerationParams, collect, gather_open
-from kite_gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest, batch_usage_body, now,
-                                          usage_body)
+from kite_gateway.generation import (Generation, GenerationClient, GenerationParams, collect, gather_open,
+                                     prompt_size, rate_permit)
+from kite_gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
+                                          batch_usage_body, now, usage_body)
+from kite_gateway.rate_limit import Permit, TenantRateLimiter
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +52,16 @@ LATENCY = Histogram("kite_request_duration_seconds", "End-to-end request time",
 CACHED_TOKENS = Counter("kite_gateway_prompt_tokens_total", "Prompt tokens served, by KV source", ["source"])
 
 
-def _json_body(model: type) -> dict:
+def _json_body(model: type, max_n: int) -> dict:
     """openapi_extra declaring the JSON body a handler parses itself (so /openapi.json documents it)."""
     schema = model.model_json_schema()
     defs = schema.pop("$defs", {})
+    # KITE_GATEWAY_MAX_N, a setting, bounds n and a batch of prompts (their product too, which JSON Schema
+    # cannot say: that stays a 400).
+    schema["properties"]["n"]["maximum"] = max_n
+    for variant in schema["properties"].get("prompt", {}).get("anyOf", ()):
+        if variant.get("items", {}).get("type") in ("string", "array"):
+            variant["maxItems"] = max_n
 
     def inline(node):
         if isinstance(node, dict):
@@ -64,10 +76,60 @@ def _json_body(model: type) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
+def _header(description: str, required: bool = False, kind: str = "integer") -> dict:
+    return {"description": description, "required": required, "schema": {"type": kind}}
+
+
+_RATE_HEADERS = {
+    f"x-ratelimit-{what}-{kind}": _header(text, kind="string" if what == "reset" else "integer")
+    for kind in ("requests", "tokens")
+    for what, text in (("limit", f"The tenant's {kind} per minute (sent only when such a limit applies)"),
+                       ("remaining", f"{kind.capitalize()} left in the tenant's budget now"),
+                       ("reset", "Time until the budget is full again, e.g. 1.5s or 6m0s"))}
+
+
+def _error(description: str, headers: dict | None = None) -> dict:
+    """An OpenAPI response: the OpenAI error object, with these headers."""
+    return {"model": ErrorResponse, "description": description, **({"headers": headers} if headers else {})}
+
+
+def _generation_responses(auth_enabled: bool) -> dict:
+    responses = {
+        200: {"description": "The completion as JSON, or with `stream: true` server-sent events ending in "
+                             "`data: [DONE]`",
+              # Before OpenAPI 3.2's itemSchema, an event stream's schema describes one event.
+              "content": {"text/event-stream": {"schema": {
+                  "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}},
+                  "description": "One server-sent event; `data` is a JSON chunk (chat.completion.chunk or "
+                                 "text_completion), an error object if the stream fails after it began, "
+                                 "or `[DONE]`"}}},
+              "headers": {"X-Kite-Worker": _header("The worker instance(s) that served the request",
+                                                   kind="string"), **_RATE_HEADERS}},
+        400: _error("Invalid request: unparsable JSON, a bad or unsupported parameter, or a prompt plus "
+                    "max_tokens beyond the context (`context_length_exceeded`)"),
+        404: _error("The model does not exist (`model_not_found`)"),
+        413: _error("The request body is larger than KITE_GATEWAY_MAX_BODY_BYTES"),
+        429: _error("The tenant is over its request or token rate limit (`rate_limit_exceeded`)", {
+            "Retry-After": _header("Seconds until the tenant's budget allows this request", required=True),
+            **_RATE_HEADERS}),
+        500: _error("Internal error"),
+        503: _error("No fingerprinter or worker, overloaded (admission control) or shutting down",
+                    {"Retry-After": _header("Seconds to wait before retrying (when a retry may succeed)")}),
+        504: _error("The worker sent nothing within the stream timeout"),
+    }
+    if auth_enabled:
+        responses[401] = _error("Missing or invalid API key", {
+            "WWW-Authenticate": _header("Always `Bearer`", required=True, kind="string")})
+    return dict(sorted(responses.items()))
+
+
 def create_app(client_factory: Callable[[], GenerationClient], model_name: str, max_n: int,
-               max_body_bytes: int, authenticator: Authenticator | None = None) -> FastAPI:
+               max_body_bytes: int, authenticator: Authenticator | None = None,
+               rate_limiter: TenantRateLimiter | None = None) -> FastAPI:
     app = FastAPI(title="KITE", version="1", docs_url=None, redoc_url=None)
     auth = authenticator or Authenticator.disabled()
+    limiter = rate_limiter or TenantRateLimiter()
+    generation_responses = _generation_responses(auth.enabled)
 
     def client() -> GenerationClient:
         return client_factory()
@@ -97,8 +159,9 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        # Starlette's own headers matter: a 405 names the allowed methods in Allow (RFC 9110).
         return JSONResponse(ApiError(exc.status_code, str(exc.detail), type=kind).body(),
-                            status_code=exc.status_code)
+                            status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -148,7 +211,8 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
             raise ApiError(400, unsupported[1], code="unsupported_parameter", param=unsupported[0])
         return body
 
-    @app.get("/health")
+    @app.get("/health", responses={503: _error(
+        "No fingerprinter or no worker answers", {"Retry-After": _header("Seconds to wait", required=True)})})
     async def health() -> JSONResponse:
         c = client()
         fingerprinter, worker = await asyncio.gather(c.ping("fingerprinter"), c.ping("worker"))
@@ -160,18 +224,27 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
                        code=f"no_{missing}", retry_after_s=1)
         return JSONResponse(err.body(), status_code=503, headers=err.headers())
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format"}})
     async def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={401: _error("Missing or invalid API key")} if auth.enabled else None)
     async def models(request: Request) -> JSONResponse:
         tenant_of(request)
         names = {model_name, *client().fleet.models()}
         return JSONResponse({"object": "list", "data": [
             {"id": n, "object": "model", "created": 0, "owned_by": "kite"} for n in sorted(names)]})
 
-    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
+    async def open_all(permit: Permit, params: list[GenerationParams]) -> list[Generation]:
+        try:
+            return await gather_open(client(), params)
+        except BaseException:
+            permit.refund()  # refused before any token was computed
+            raise
+
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest, max_n),
+              responses=generation_responses)
     async def chat_completions(request: Request) -> Response:
         tenant = tenant_of(request)
         body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)  # type: ignore[assignment]
@@ -179,22 +252,28 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
                                   messages=[m.to_message() for m in body.messages], reuse=body.kite.reuse,
                                   cache_salt=tenant_cache_salt(tenant, body.cache_salt), tenant=tenant,
                                   session_id=body.kite.session_id)
+        permit = rate_permit(limiter, tenant, limiter.estimate_tokens(
+            *prompt_size(params), max_tokens=body.resolved_max_tokens, choices=body.n))
         started = time.monotonic()
-        generations = await gather_open(client(), [params] * body.n)
+        generations = await open_all(permit, [params] * body.n)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        headers = {**permit.headers, **_worker_header(generations)}
         if body.stream:
-            return _sse(_chat_stream(response_id, body, generations, started), _worker_header(generations))
+            return _sse(_chat_stream(response_id, body, generations, started, permit), headers)
         results = await asyncio.gather(*(collect(g) for g in generations))
         _observe([end for _, end in results], generations, started)
+        usage = usage_body([end for _, end in results])
+        permit.settle(usage["total_tokens"])
         return JSONResponse({
             "id": response_id, "object": "chat.completion", "created": now(), "model": body.model,
             "choices": [{"index": i, "message": {"role": "assistant", "content": text},
                          "logprobs": None, "finish_reason": end.finish_reason}
                         for i, (text, end) in enumerate(results)],
-            "usage": usage_body([end for _, end in results]),
-        }, headers=_worker_header(generations))
+            "usage": usage,
+        }, headers=headers)
 
-    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest, max_n),
+              responses=generation_responses)
     async def completions(request: Request) -> Response:
         tenant = tenant_of(request)
         body: CompletionRequest = await parse(request, CompletionRequest)  # type: ignore[assignment]
@@ -203,29 +282,55 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
             raise ApiError(400, f"between 1 and {max_n} completions (prompts x n) per request",
                            code="invalid_value", param="prompt")
         params = []
+        tokens = 0
         for p in prompts:
             text, ids = (p, None) if isinstance(p, str) else (None, list(p))
-            params += [GenerationParams(model=body.model, sampling=body.sampling(body.max_tokens), prompt=text,
-                                        prompt_token_ids=ids, reuse=body.kite.reuse,
-                                        cache_salt=tenant_cache_salt(tenant, body.cache_salt),
-                                        tenant=tenant, session_id=body.kite.session_id)] * body.n
+            one = GenerationParams(model=body.model, sampling=body.sampling(body.max_tokens), prompt=text,
+                                   prompt_token_ids=ids, reuse=body.kite.reuse,
+                                   cache_salt=tenant_cache_salt(tenant, body.cache_salt),
+                                   tenant=tenant, session_id=body.kite.session_id)
+            params += [one] * body.n
+            tokens += limiter.estimate_tokens(*prompt_size(one), max_tokens=body.max_tokens, choices=body.n)
+        permit = rate_permit(limiter, tenant, tokens)
         started = time.monotonic()
-        generations = await gather_open(client(), params)
+        generations = await open_all(permit, params)
         response_id = f"cmpl-{uuid.uuid4().hex}"
+        headers = {**permit.headers, **_worker_header(generations)}
         if body.stream:
-            return _sse(_completion_stream(response_id, body, generations, started),
-                        _worker_header(generations))
+            return _sse(_completion_stream(response_id, body, generations, started, permit), headers)
         results = await asyncio.gather(*(collect(g) for g in generations))
         ends = [end for _, end in results]
         _observe(ends, generations, started)
+        usage = batch_usage_body([ends[i:i + body.n] for i in range(0, len(ends), body.n)])
+        permit.settle(usage["total_tokens"])
         return JSONResponse({
             "id": response_id, "object": "text_completion", "created": now(), "model": body.model,
             "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": end.finish_reason}
                         for i, (text, end) in enumerate(results)],
-            "usage": batch_usage_body([ends[i:i + body.n] for i in range(0, len(ends), body.n)]),
-        }, headers=_worker_header(generations))
+            "usage": usage,
+        }, headers=headers)
 
+    if auth.enabled:
+        _declare_bearer_auth(app)
     return app
+
+
+def _declare_bearer_auth(app: FastAPI) -> None:
+    """/openapi.json says what the gateway enforces: /v1/* needs a Bearer key, the rest is open."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()  # caches itself in app.openapi_schema, which is amended in place
+            schema.setdefault("components", {})["securitySchemes"] = {"apiKey": {
+                "type": "http", "scheme": "bearer", "description": "An API key (`kite keys new TENANT`)"}}
+            for path, operations in schema["paths"].items():
+                if path.startswith("/v1/"):
+                    for operation in operations.values():
+                        operation["security"] = [{"apiKey": []}]
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _observe(ends: list[StreamEnd], generations: list[Generation], started: float) -> None:
@@ -286,7 +391,8 @@ async def _merged(generations: list[Generation]) -> AsyncIterator[tuple[int, Tok
 
 
 async def _stream_choices(kind: str, response_id: str, body, generations: list[Generation], started: float,
-                          delta: Callable[[str], dict], first: Callable[[], dict] | None) -> AsyncIterator[dict]:
+                          permit: Permit, delta: Callable[[str], dict],
+                          first: Callable[[], dict] | None) -> AsyncIterator[dict]:
     created = now()
     usage_field = {"usage": None} if body.include_usage else {}
 
@@ -307,11 +413,12 @@ async def _stream_choices(kind: str, response_id: str, body, generations: list[G
             elif event.text:
                 yield chunk([{"index": index, **delta(event.text), "logprobs": None, "finish_reason": None}])
         _observe(ends, generations, started)
+        n = getattr(body, "n", 1)
+        usage = batch_usage_body([ends[i:i + n] for i in range(0, len(ends), n)])
+        permit.settle(usage["total_tokens"])
         if body.include_usage:
-            n = getattr(body, "n", 1)
-            groups = [ends[i:i + n] for i in range(0, len(ends), n)]
             yield {"id": response_id, "object": kind, "created": created, "model": body.model, "choices": [],
-                   "usage": batch_usage_body(groups)}
+                   "usage": usage}
     except ApiError as exc:
         yield exc.body()
     finally:
@@ -320,13 +427,13 @@ async def _stream_choices(kind: str, response_id: str, body, generations: list[G
 
 
 def _chat_stream(response_id: str, body: ChatCompletionRequest, generations: list[Generation],
-                 started: float) -> AsyncIterator[dict]:
-    return _stream_choices("chat.completion.chunk", response_id, body, generations, started,
+                 started: float, permit: Permit) -> AsyncIterator[dict]:
+    return _stream_choices("chat.completion.chunk", response_id, body, generations, started, permit,
                            delta=lambda text: {"delta": {"content": text} if text else {}},
                            first=lambda: {"delta": {"role": "assistant", "content": ""}})
 
 
 def _completion_stream(response_id: str, body: CompletionRequest, generations: list[Generation],
-                       started: float) -> AsyncIterator[dict]:
-    return _stream_choices("text_completion", response_id, body, generations, started,
+                       started: float, permit: Permit) -> AsyncIterator[dict]:
+    return _stream_choices("text_completion", response_id, body, generations, started, permit,
                            delta=lambda text: {"text": text}, first=None)

@@ -21,8 +21,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from kite_shared.messages import ChatMessage, SamplingParams, StreamEnd
 
 MAX_STOP_STRINGS = 4
+# Parameters KITE refuses (see `unsupported`) are declared in /openapi.json with the only values it
+# accepts, so a client generated from the schema never sends what is then refused; validation itself
+# stays in `unsupported`, whose messages say why.
+_ONLY_ZERO = {"const": 0}
+_ONLY_FALSE = {"const": False}
 # A prompt token id: the services carry them as uint32 (the gRPC API's type); the vocabulary is checked later.
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
+# Prompt arrays are never empty (nothing to complete): declared, so /openapi.json says so too.
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class _Body(BaseModel):
@@ -62,11 +69,11 @@ class _SamplingBody(_Body):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(default=None, json_schema_extra={"maxItems": MAX_STOP_STRINGS})
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, json_schema_extra=_ONLY_ZERO)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, json_schema_extra=_ONLY_ZERO)
     user: str | None = None
     cache_salt: str = Field(default="", max_length=256)
     kite: KiteOptions = Field(default_factory=KiteOptions)
@@ -99,8 +106,8 @@ class _SamplingBody(_Body):
 class ChatCompletionRequest(_SamplingBody):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    tools: list[dict] | None = None
+    logprobs: bool = Field(default=False, json_schema_extra=_ONLY_FALSE)
+    tools: list[dict] | None = Field(default=None, json_schema_extra={"maxItems": 0})
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.logprobs:
@@ -115,11 +122,20 @@ class ChatCompletionRequest(_SamplingBody):
 
 
 class CompletionRequest(_SamplingBody):
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
-    best_of: int | None = None
+    prompt: (str | TokenIds | Annotated[list[str], Field(min_length=1)]
+             | Annotated[list[TokenIds], Field(min_length=1)])
+    echo: bool = Field(default=False, json_schema_extra=_ONLY_FALSE)
+    logprobs: int | None = Field(default=None, json_schema_extra={"type": "null"})
+    suffix: str | None = Field(default=None, json_schema_extra={"maxLength": 0})
+    best_of: int | None = Field(default=None, json_schema_extra={"enum": [None, 1]})
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _not_empty(cls, v: object) -> object:
+        # Before the union is tried: otherwise the error would be that [] is not a string.
+        if v == [] or (isinstance(v, list) and [] in v):
+            raise ValueError("a prompt (and every prompt of a batch) needs at least one token or string")
+        return v
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.logprobs is not None:
@@ -140,6 +156,19 @@ class CompletionRequest(_SamplingBody):
         if p and all(isinstance(x, int) for x in p):
             return [p]  # type: ignore[list-item]
         return list(p)  # type: ignore[arg-type]
+
+
+class ErrorObject(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the API answers (documented in /openapi.json): OpenAI's error object."""
+
+    error: ErrorObject
 
 
 def usage_body(ends: list[StreamEnd]) -> dict:
