@@ -36,9 +36,9 @@ from kite_shared.security import ru_key
 from kite_cli.local_servers import free_port, start_nats, start_redis, wait_for_port
 from kite_shared import subjects
 from kite_shared.messages import PoolAdminReply, PoolAdminRequest
-from kite_shared.recyclable_unit import RecyclableUnit
+from kite_shared.recyclable_unit import RecyclableUnit, decode
 from kite_shared.tiers.cold import LocalDirTier, S3Tier
-from kite_shared.tiers.keys import BlockKey
+from kite_shared.tiers.keys import BlockKey, redis_key
 from kite_shared.tiers.pool_client import PoolClient
 from kite_shared.tiers.warm import RedisTier
 
@@ -180,7 +180,7 @@ async def bench_fetch(label: str, fetch, n_blocks: int, unit_bytes: int, repeat:
         per_call.append(time.perf_counter() - started)
     total = statistics.median(per_call)
     mb_s = n_blocks * unit_bytes / total / 1e6
-    print(f"fetch   {label:<34} {got:>4}/{n_blocks} blocks  {total * 1e3:8.1f} ms  {mb_s:8.1f} MB/s  "
+    print(f"fetch   {label:<42} {got:>4}/{n_blocks} blocks  {total * 1e3:8.1f} ms  {mb_s:8.1f} MB/s  "
           f"({total / n_blocks * 1e3:.2f} ms/block)")
     if got != n_blocks:
         print(f"        WARNING: {label} returned {got} of {n_blocks} blocks")
@@ -268,16 +268,33 @@ async def main() -> None:
         echo.terminate()
         echo.wait(5)
 
-        await bench_fetch("hot  via NATS (pool get)", lambda: _count(client.get(fp_a, hashes_a)), n,
+        # Side by side: the same hot blocks inline in NATS replies, as same-host hand-off files, and the
+        # hand-off with each unit verified (checksum + HMAC: what a worker does before loading), against
+        # the floor of one memory copy of the same bytes.
+        inline = PoolClient(nc, lookup_timeout_s=1.0, get_timeout_s=10.0, handoff=False)
+        await bench_fetch("hot  via NATS (pool get, inline)", lambda: _count(inline.get(fp_a, hashes_a)), n,
                           unit_bytes, repeat=3)
+        await bench_fetch("hot  same-host hand-off (pool get)", lambda: _count(client.get(fp_a, hashes_a)), n,
+                          unit_bytes, repeat=3)
+
+        async def handoff_verified() -> int:
+            units = await client.get(fp_a, hashes_a)
+            return len([decode(u, expected_hash=h, expected_model=fp_a, key=ru_key())
+                        for u, h in zip(units, hashes_a)])
+        await bench_fetch("hot  hand-off + verify", handoff_verified, n, unit_bytes, repeat=3)
+        payloads = [d for _, d in chain_a]
+
+        async def memcpy() -> int:
+            return len([bytearray(d) for d in payloads])
+        await bench_fetch("floor: memcpy of the same bytes", memcpy, n, unit_bytes, repeat=3)
         for _, d in chain_b:  # evicts chain A from hot (it stays in warm)
             await client.put(d)
         await nc.flush()
         while (r := await client.lookup(fp_a, hashes_a)).hot > 0 or r.warm < n:
             await asyncio.sleep(0.05)
-        await bench_fetch("warm via NATS (pool get)", lambda: _count(client.get(fp_a, hashes_a)), n, unit_bytes)
+        await bench_fetch("warm via NATS (pool get)", lambda: _count(inline.get(fp_a, hashes_a)), n, unit_bytes)
         hashes_cold = [h for h, _ in chain_cold]
-        await bench_fetch("cold(S3) via NATS (pool get)", lambda: _count(client.get(fp_cold, hashes_cold)), n,
+        await bench_fetch("cold(S3) via NATS (pool get)", lambda: _count(inline.get(fp_cold, hashes_cold)), n,
                           unit_bytes)
 
         warm = RedisTier(redis_srv.url + "/0", timeout_s=2.0)
@@ -286,6 +303,18 @@ async def main() -> None:
         hashes_b = [h for h, _ in chain_b]
         await bench_fetch("warm direct (TierClient, 8 conc.)",
                           lambda: _count(direct_warm.fetch_chain(fp_b, hashes_b)), n, unit_bytes, repeat=3)
+        warm.ru_key = ru_key()
+
+        async def warm_batch() -> int:
+            return sum(found is not None for found in await warm.get_units(fp_b, hashes_b))
+        await bench_fetch("warm direct (pipelined batch, verified)", warm_batch, n, unit_bytes, repeat=3)
+
+        async def raw_pipeline() -> int:  # the floor: the same GETs, nothing decoded or verified
+            async with warm._redis.pipeline(transaction=False) as pipe:
+                for h in hashes_b:
+                    pipe.get(redis_key(BlockKey.of(fp_b, h)))
+                return sum(v is not None for v in await pipe.execute())
+        await bench_fetch("floor: raw pipelined GETs (hiredis)", raw_pipeline, n, unit_bytes, repeat=3)
         direct_s3 = TierClient(None, S3Tier(s3_url, "kite-bench", prefix))
         await bench_fetch("cold(S3) direct (TierClient, 8 conc.)",
                           lambda: _count(direct_s3.fetch_chain(fp_cold, hashes_cold)), n, unit_bytes, repeat=3)

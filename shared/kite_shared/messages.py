@@ -337,16 +337,23 @@ class PoolGetRequest(Message):
     KIND: ClassVar[str] = "pool_get_request"
     model_fingerprint: str
     block_hashes: list[bytes]
-    max_bytes: int = 0  # reply budget; 0 = what the NATS connection allows
+    max_bytes: int = 0  # reply budget; 0 = what the NATS connection allows (no cap for hand-off files)
     tenant: str = ANONYMOUS_TENANT  # whose blocks these are (part of their storage keys)
+    # The asker's kite_shared.tiers.handoff.host_id(), "" for inline bytes: when it is the pool's host and
+    # the pool has a hand-off folder, the reply names files there instead of carrying the units.
+    host_id: str = ""
 
 
 class PoolGetReply(Message):
     """The leading blocks found, each a verified encoded recyclable unit; it stops at the first miss or
-    when the next unit would exceed the byte budget (ask again from len(units) for the rest)."""
+    when the next unit would exceed the byte budget (ask again from the number received for the rest).
+    The units come inline (`units`) or, same-host, as hand-off files (`unit_files`), never both."""
 
     KIND: ClassVar[str] = "pool_get_reply"
     units: list[bytes] = Field(default_factory=list)
+    # Paths of same-host hand-off files, one encoded unit each, in order; the asker reads and removes them
+    # (kite_shared.tiers.handoff.take_all).
+    unit_files: list[str] = Field(default_factory=list)
     tiers: bytes = b""  # tier each unit came from (b"h", b"w", b"c")
     complete: bool = True  # False when the budget, not a miss, ended the reply
     error: ErrorInfo | None = None

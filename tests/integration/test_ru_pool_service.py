@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -176,6 +177,47 @@ async def test_get_reply_is_split_to_fit_the_byte_budget(pools, client):
     await put_chain(client, pool, chain)
     units = await client.get(fp, [h for h, _ in chain], max_bytes=2 * UNIT_BYTES + 10)
     assert units == [d for _, d in chain]  # three requests: 2 + 2 + 1
+
+
+async def test_same_host_get_hands_units_off_as_files_that_the_reader_removes(pools, client, env):
+    pool = await pools.start()
+    assert pool.handoff is not None  # the default folder, /dev/shm/kite-pool, on this host
+    fp = new_fp()
+    chain = make_chain(fp, 5)
+    await put_chain(client, pool, chain)
+    hashes = [h for h, _ in chain]
+    assert await client.get(fp, hashes) == [d for _, d in chain]
+    assert pool.handoff.num_files_written == 5
+    assert list(pool.handoff.path.iterdir()) == []  # the reader took them
+
+    nc = await nats.connect(env.nats_url)
+    try:
+        inline = PoolClient(nc, handoff=False)
+        assert await inline.get(fp, hashes) == [d for _, d in chain]
+        assert pool.handoff.num_files_written == 5  # the inline reader got bytes in the reply
+    finally:
+        await nc.close()
+
+
+async def test_a_reader_that_cannot_see_the_handoff_folder_falls_back_to_inline_replies(pools, client):
+    pool = await pools.start()
+    fp = new_fp()
+    chain = make_chain(fp, 3)
+    await put_chain(client, pool, chain)
+    write_all = pool.handoff.write_all
+
+    def written_elsewhere(units):  # as if the reader were in a container without the pool's folder
+        paths = write_all(units)
+        for path in paths:
+            os.rename(path, path + ".elsewhere")
+        return paths
+
+    pool.handoff.write_all = written_elsewhere
+    assert await client.get(fp, [h for h, _ in chain]) == [d for _, d in chain]
+    assert client.handoff is False  # and stays inline: one extra round trip, once
+    for stray in pool.handoff.path.iterdir():
+        os.utime(stray, (0, 0))
+    assert pool.handoff.sweep() == 3  # files nobody read are freed
 
 
 async def test_hot_eviction_demotes_to_cold_when_warm_is_off_and_hits_promote(pools, client, env):

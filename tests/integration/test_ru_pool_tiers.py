@@ -111,6 +111,19 @@ async def test_corrupt_and_foreign_units_are_counted_deleted_and_missed(any_tier
     assert tier.up  # corruption is not an outage
 
 
+async def test_a_batched_read_verifies_each_unit_and_misses_only_the_bad_ones(any_tier):
+    tier = any_tier
+    units = [make_unit(i) for i in range(4)]
+    for i, (h, d) in enumerate(units):
+        await tier.put(BlockKey.of(FP, h), flip(d) if i == 2 else d)
+    absent = hashlib.sha256(b"never stored").digest()
+    found = await tier.get_units(FP, [h for h, _ in units] + [absent])
+    assert [f is not None and f[1] for f in found] == [units[0][1], units[1][1], False, units[3][1], False]
+    assert found[0][0].block_index == 0
+    assert not await tier.exists(BlockKey.of(FP, units[2][0]))  # the corrupted unit is deleted
+    assert tier.integrity_failures == 1 and tier.up
+
+
 async def test_warm_ttl_is_refreshed_on_hit_and_pins_have_none(warm, redis_server):
     r = redis.Redis(port=redis_server.port, db=int(warm.url.rsplit("/", 1)[1]))
     h, d = make_unit(0)

@@ -9,6 +9,8 @@ stack walks through the phases in order.
 
 from __future__ import annotations
 
+import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import redis
 
 from kite_cli.stack import StackOptions
 from tests.integration.conftest import MODEL, _start
-from tests.integration.test_pool_reuse import wait_for_warm_blocks
+from tests.integration.test_pool_reuse import pool_stats, wait_for_warm_blocks
 
 BLOCK = 32  # KITE_BLOCK_SIZE for vLLM (one vLLM-CPU block)
 SYSTEM = {"role": "system", "content": "You are the vLLM connector test assistant. " +
@@ -57,6 +59,29 @@ def cached(r: httpx.Response) -> int:
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+def wait_for_pool(stack, condition, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    stats: dict | str = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            stats = pool_stats(stack)
+        except subprocess.CalledProcessError as exc:  # a pool starting up answers nothing yet
+            stats = exc.stderr
+        else:
+            if condition(stats):
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"the pool never showed {what}: {stats}")
+
+
+def restart_pool(stack) -> None:
+    pool = next(p for p in stack.processes if p.name == "ru-pool")
+    stack.stop_process(pool)
+    stack.processes.remove(pool)
+    stack.start_service("ru-pool")
+    wait_for_pool(stack, lambda stats: stats["counters"]["rebuilding"] == 0, "its index rebuilt")
+
+
 def replace_worker(stack) -> str:
     """A fresh vLLM worker (empty prefix cache) instead of the current one; returns its instance id."""
     for worker in stack.workers():
@@ -81,8 +106,10 @@ def test_reuse_on_vllm_equals_recompute_across_workers_tiers_and_restarts(vllm_s
     assert answer(hit) == answer(reference)
     assert hit.json()["usage"]["completion_tokens"] == 24
 
-    # The connector saved the prompt's blocks to the pool (memory and Redis).
+    # The connector saved the prompt's blocks to the pool (memory and Redis), and vLLM's own cache events
+    # told the pool's index that this worker holds them (what cache-aware routing reads).
     wait_for_warm_blocks(stack, minimum=system_blocks)
+    wait_for_pool(stack, lambda stats: stats["counters"]["worker_blocks"] >= system_blocks, "worker blocks")
 
     # 2. A worker that never computed the prompt loads it from the pool (hot tier).
     new_worker = replace_worker(stack)
@@ -100,13 +127,30 @@ def test_reuse_on_vllm_equals_recompute_across_workers_tiers_and_restarts(vllm_s
     assert cached(after_restart) >= system_blocks * BLOCK
     assert answer(after_restart) == answer(chat(stack, question, reuse=False))
 
+    # 4. The cold tier: a pool that archives after 1 s idle moves the blocks from Redis to the cold
+    #    folder; with nothing in memory or Redis, a fresh worker loads the prefix from the cold tier.
+    quick_archival = {"KITE_POOL_ARCHIVE_AFTER_S": "1", "KITE_POOL_SWEEP_INTERVAL_S": "0.5"}
+    stack.options.env.update(quick_archival)
+    restart_pool(stack)
+    wait_for_pool(stack, lambda stats: stats["tiers"]["warm"]["blocks"] == 0
+                  and stats["tiers"]["cold"]["blocks"] >= system_blocks, "archival to the cold tier")
+    replace_worker(stack)
+    question = "Which rule is in the cold tier?"
+    from_cold = chat(stack, question)
+    assert cached(from_cold) >= system_blocks * BLOCK
+    assert answer(from_cold) == answer(chat(stack, question, reuse=False))
+    for name in quick_archival:  # the next test needs blocks to stay in Redis
+        del stack.options.env[name]
+    restart_pool(stack)
+
 
 def test_corrupted_units_are_misses_on_vllm(vllm_stack):
     stack = vllm_stack
     question = "Is a corrupted block ever served by vLLM?"
     reference = answer(chat(stack, question, reuse=False))
-    chat(stack, question)  # saves the prompt's blocks
-    wait_for_warm_blocks(stack, minimum=10)
+    chat(stack, question)  # saves the prompt's blocks (the earlier test may have left some in cold only)
+    wait_for_pool(stack, lambda stats: stats["tiers"]["warm"]["blocks"] + stats["tiers"]["cold"]["blocks"] >= 10,
+                  "the prompt's blocks stored")
     client = redis.Redis.from_url(stack.redis.url)
     keys = list(client.scan_iter("kite:ru:*"))
     assert keys

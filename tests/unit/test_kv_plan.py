@@ -6,7 +6,7 @@ assert the exact copies, with hashes from KITE's own chain."""
 from __future__ import annotations
 
 from kite_shared.fingerprint import BlockHash, block_hash_chain
-from kite_worker.kv_plan import BlockCopy, KVPlanner, RequestParams
+from kite_worker.kv_plan import BlockCopy, KVPlanner, LocalBlockMirror, RequestParams
 
 ROOT = BlockHash(bytes(range(32)))
 B = 4  # tokens per block in these scenarios
@@ -142,3 +142,31 @@ def test_untracked_requests_have_no_plan():
     assert planner.num_matched_tokens("x", 0) == 0
     step = planner.plan_step("x", [1], True, 0, 4, [1, 2, 3, 4])
     assert step.loads == [] and step.saves == []
+
+
+def test_the_mirror_announces_a_held_block_once_its_kite_hash_is_known_in_either_order():
+    mirror = LocalBlockMirror()
+    kite = [BlockHash(bytes([i]) * 32) for i in range(4)]
+    mirror.learn([101, 102], kite[:2])  # a tracked request names its blocks before vLLM caches them
+    assert mirror.take_events() == []
+    mirror.stored([101, 102, 103])  # 103: computed by a request the connector never tracked
+    assert mirror.take_events() == [("stored", kite[:2])]
+    mirror.learn([103, 101], [kite[2], kite[0]])  # named later; 101 is already announced
+    assert mirror.take_events() == [("stored", [kite[2]])]
+    mirror.removed([102, 104])  # 104 was never announced
+    mirror.stored([102])
+    assert mirror.take_events() == [("removed", [kite[1]]), ("stored", [kite[1]])]
+    mirror.cleared()
+    mirror.stored([101])
+    assert mirror.take_events() == [("cleared", []), ("stored", [kite[0]])]
+    assert mirror.held == {101}
+
+
+def test_the_mirror_forgets_the_oldest_pairings_first():
+    mirror = LocalBlockMirror(max_pairs=2)
+    kite = [BlockHash(bytes([i]) * 32) for i in range(3)]
+    mirror.learn([1, 2], kite[:2])
+    mirror.learn([1], kite[:1])  # renewed: 2 is now the oldest
+    mirror.learn([3], kite[2:])
+    mirror.stored([1, 2, 3])
+    assert mirror.take_events() == [("stored", [kite[0], kite[2]])]

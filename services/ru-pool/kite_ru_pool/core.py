@@ -579,6 +579,10 @@ class PoolCore:
         self._worker_seq.pop(worker_id, None)
         self._worker_seen.pop(worker_id, None)
 
+    def num_worker_blocks(self) -> dict[str, int]:
+        """Blocks the index attributes to each worker's local cache (every model)."""
+        return {worker_id: sum(map(len, tags.values())) for worker_id, tags in self._workers.items()}
+
     def worker_alive(self, worker_id: str, now: float) -> None:
         if worker_id in self._workers:
             self._worker_seen[worker_id] = now

@@ -31,6 +31,7 @@ from kite_shared.messages import (
 )
 from kite_shared.tiers import metrics
 from kite_shared.tiers.base import RemoteTier, TierUnavailable
+from kite_shared.tiers import handoff
 from kite_shared.tiers.client import TierClient
 from kite_shared.tiers.keys import BlockKey, model_tag
 from kite_shared.tracing import start_span_from_headers, use_span
@@ -41,6 +42,8 @@ from kite_ru_pool.core import (
 log = logging.getLogger(__name__)
 
 GET_REPLY_OVERHEAD_BYTES = 4096  # msgpack framing of PoolGetReply around the units
+HANDOFF_REPLY_MAX_BYTES = 1 << 30  # units one same-host get may hand off as files (tmpfs is memory)
+HANDOFF_SWEEP_INTERVAL_S = 10.0
 MAX_PENDING_WARM_WRITES = 256  # beyond this, write-through is skipped (demotion on eviction covers it)
 WORKER_FORGET_AFTER_S = 30.0  # a worker silent this long (no heartbeat, no events) is presumed gone
 FETCH_CONCURRENCY = 8
@@ -70,6 +73,9 @@ class PoolService:
                              has_cold=self.cold is not None, tenant_quota_bytes=cfg.tenant_quota_bytes,
                              tenant_quotas={security.tenant_tag(name): quota
                                             for name, quota in cfg.tenant_quota_overrides().items()})
+        # Same-host readers get hot blocks as files in memory rather than through NATS (tiers.handoff).
+        self.host_id = handoff.host_id()
+        self.handoff = handoff.open_folder(cfg.handoff_dir)
         self.rebuilding = False
         self._background: set[asyncio.Task] = set()
         self._subs: list = []
@@ -109,6 +115,8 @@ class PoolService:
             self._gc.freeze(self.core.num_blocks())
         self._spawn(rebuild(), "index rebuild")
         self._loops.append(asyncio.create_task(self._sweep_loop()))
+        if self.handoff is not None:
+            self._loops.append(asyncio.create_task(self._handoff_sweep_loop()))
         self._loops.append(asyncio.create_task(loop_lag_probe()))
         # issue 5: tier health, fill and hit rates for the arbitrator, every KITE_TELEMETRY_INTERVAL_S
         self._loops.append(asyncio.create_task(publish_loop(self, self.instance_id,
@@ -133,6 +141,8 @@ class PoolService:
             if pending:
                 log.warning("stopped with %d background tier operations unfinished", len(pending))
         await self.tiers.close()
+        if self.handoff is not None:
+            self.handoff.remove()
 
     def _spawn(self, coro: Awaitable[object], what: str) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
@@ -265,13 +275,34 @@ class PoolService:
         except MessageError as exc:
             reply = PoolGetReply(error=ErrorInfo(code="bad_request", message=str(exc)))
         else:
-            budget = self.nc.max_payload - GET_REPLY_OVERHEAD_BYTES
+            handoff = self.handoff is not None and req.host_id == self.host_id
+            inline_budget = self.nc.max_payload - GET_REPLY_OVERHEAD_BYTES
+            budget = HANDOFF_REPLY_MAX_BYTES if handoff else inline_budget
             if req.max_bytes > 0:
                 budget = min(budget, req.max_bytes)
             reply = await self.get_blocks(req.model_fingerprint, req.block_hashes, budget,
                                           security.tenant_tag(req.tenant))
+            if handoff and reply.units:
+                reply = await self._hand_off(reply, min(budget, inline_budget))
         if msg.reply:
             await msg.respond(reply.encode())
+
+    async def _hand_off(self, reply: PoolGetReply, inline_budget: int) -> PoolGetReply:
+        """The same reply with its units in hand-off files; inline (cut to `inline_budget`) if the folder
+        cannot take them (a full tmpfs, say)."""
+        try:
+            paths = await asyncio.to_thread(self.handoff.write_all, reply.units)
+        except OSError as exc:
+            log.warning("hand-off write failed (%r); replying inline", exc)
+            units, total = [], 0
+            for data in reply.units:
+                if total + len(data) > inline_budget:
+                    break
+                units.append(data)
+                total += len(data)
+            return reply.model_copy(update={"units": units, "tiers": reply.tiers[:len(units)],
+                                            "complete": reply.complete and len(units) == len(reply.units)})
+        return reply.model_copy(update={"units": [], "unit_files": paths})
 
     async def get_blocks(self, model_fingerprint: str, hashes: list[bytes], budget: int,
                          tenant_tag: str = security.ANONYMOUS_TENANT_TAG) -> PoolGetReply:
@@ -456,6 +487,14 @@ class PoolService:
                         tier, key.short(), exc)
             return False
         return True
+
+    async def _handoff_sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(HANDOFF_SWEEP_INTERVAL_S)
+            try:
+                await asyncio.to_thread(self.handoff.sweep)
+            except OSError as exc:
+                log.warning("hand-off sweep failed: %r", exc)
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -735,6 +774,7 @@ class PoolService:
         counters = dataclasses.asdict(c)
         counters["rebuilding"] = int(self.rebuilding)
         counters["index_blocks"] = self.core.num_blocks()
+        counters["worker_blocks"] = sum(self.core.num_worker_blocks().values())
         counters["pending_purges"] = len(self.core.pending_purges) + len(self.core.pending_tenant_purges)
         ledgers = self.core.tenant_usage(tenant_tag) if with_tenants else {}
         if with_tenants:

@@ -8,6 +8,7 @@ calls it from the scheduler thread through two methods only:
 - `publish(infos)`: blocks the model runner is saving to staging files this step; the agent waits for
   each file to appear, then hands the block to the pool (encoded as a recyclable unit with its HMAC).
   Never waits on the caller's thread.
+and, from the connector's KV event listener, `announce(changes)`: what vLLM's own cache now holds.
 
 Staging files live in a memory-backed folder (/dev/shm) shared with vLLM's model-runner process, which
 copies them into (loads) or out of (saves) its paged KV tensors: block bytes cross processes without
@@ -82,6 +83,11 @@ class ConnectorOptions:
                 "storage_dtype": storage_dtype, "pool_read": pool_read, "pool_write": pool_write}
 
 
+def kv_events_endpoint(worker_id: str) -> str:
+    """Where vLLM publishes its KV cache events for the connector (ZMQ inproc: both in engine core)."""
+    return f"inproc://kite-kv-events-{worker_id}"
+
+
 def staged_load_path(staging_dir: Path, block_hash: bytes) -> Path:
     return staging_dir / f"in-{bytes(block_hash).hex()}.kv"
 
@@ -130,6 +136,8 @@ class KVAgent:
         self.loader = PoolLoader(self.pool, tier_client, self.cost, self.options.model_fingerprint,
                                  self.options.unit_shape, self.options.storage_dtype, mac_key=ru_key(),
                                  staging_bytes=0)  # staging is the files below, not the loader's memory
+        self._announcements: asyncio.Queue[list[tuple[str, list[BlockHash]]]] = asyncio.Queue()
+        self._announcer = asyncio.create_task(self._send_announcements())
         self._ready.set()
         log.info("KV agent connected to NATS %s (pool reads %s, writes %s)", _masked(common.nats_url),
                  "on" if self.options.pool_read else "off", "on" if self.options.pool_write else "off")
@@ -182,8 +190,6 @@ class KVAgent:
                 self._staged[bytes(block_hash)] = self._staged.get(bytes(block_hash), 0) + 1
         self._evict_unpinned()
         self.num_blocks_fetched += len(loaded)
-        if loaded:
-            await self.pool.block_stored(self.options.model_fingerprint, [bytes(h) for h, _ in loaded])
         return len(loaded)
 
     def unpin(self, hashes: list[BlockHash]) -> None:
@@ -259,8 +265,6 @@ class KVAgent:
                 stored.append(bytes(info.block_hash))
         self.num_blocks_published += len(stored)
         log.debug("%d of %d saved blocks handed to the ru-pool", len(stored), len(infos))
-        if stored:
-            await self.pool.block_stored(self.options.model_fingerprint, stored)
 
     def _encode(self, info: SavedBlockInfo, path: Path) -> bytes:
         payload = path.read_bytes()
@@ -273,6 +277,26 @@ class KVAgent:
             num_tokens=self.options.block_size, codec=codec, shape=tuple(self.options.unit_shape),
             payload=payload, tenant_tag=tenant_tag(info.tenant),
         ).encode(key=ru_key())
+
+    # --- what this worker holds (listener thread) ------------------------------------------------------------
+
+    def announce(self, changes: list[tuple[str, list[BlockHash]]]) -> None:
+        """vLLM's cache changed: ("stored" | "removed", hashes) or ("cleared", []), in order. Tells the
+        ru-pool's index, which attributes blocks to this worker for cache-aware routing, in the order of
+        the calls (one queue, one sender); returns at once."""
+        if changes and self._ready.is_set():
+            self._loop.call_soon_threadsafe(self._announcements.put_nowait, changes)
+
+    async def _send_announcements(self) -> None:
+        fingerprint = self.options.model_fingerprint
+        while True:
+            for kind, hashes in await self._announcements.get():
+                if kind == "stored":
+                    await self.pool.block_stored(fingerprint, [bytes(h) for h in hashes])
+                elif kind == "removed":
+                    await self.pool.block_removed(fingerprint, [bytes(h) for h in hashes])
+                else:
+                    await self.pool.block_removed(fingerprint, [], all_blocks=True)
 
 
 def _masked(url: str) -> str:

@@ -13,6 +13,11 @@ two instances:
   blocks to save out of the paged KV at once (the request may free them soon) and writes them to staging
   on a background thread (`wait_for_save`), so a save costs a step one memory copy.
 
+What this worker holds is vLLM's own prefix cache: vLLM publishes its KV cache events (blocks stored,
+removed, all cleared) on an in-process ZMQ endpoint (`kv_events_endpoint`); the scheduler side
+translates them into KITE block hashes (`LocalBlockMirror`) and the agent announces them to the ru-pool's
+index, which cache-aware routing reads. An evicted prefix stops attracting requests to this worker.
+
 Requests carry KITE's decisions in `kv_transfer_params["kite"]` (kv_plan.RequestParams), set by the
 worker's front end (vllm_engine.py); a request without them is served by vLLM alone.
 
@@ -32,16 +37,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+import msgspec
 import torch
+import zmq
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kite_shared.config import CommonConfig, load
 from kite_shared.fingerprint import BlockHash
 from kite_shared.service import setup_package_logging
-from kite_worker.kv_agent import (AgentOptions, ConnectorOptions, KVAgent, save_path, staged_load_path,
-                                  write_atomically)
-from kite_worker.kv_plan import PARAMS_KEY, KVPlanner, RequestParams
+from kite_worker.kv_agent import (AgentOptions, ConnectorOptions, KVAgent, kv_events_endpoint, save_path,
+                                  staged_load_path, write_atomically)
+from kite_worker.kv_plan import PARAMS_KEY, KVPlanner, LocalBlockMirror, RequestParams
 from kite_worker.paged_layout import PagedLayer
 
 if TYPE_CHECKING:
@@ -122,7 +131,7 @@ class KiteConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         if self.role == KVConnectorRole.SCHEDULER:
-            self._scheduler.agent.stop()
+            self._scheduler.stop()
         else:
             self._worker.stop()
 
@@ -145,6 +154,9 @@ class _SchedulerSide:
             block_size=self.block_size, unit_shape=unit_shape, storage_dtype=options.storage_dtype,
             staging_dir=options.staging_dir, pool_read=options.pool_read, pool_write=options.pool_write))
         self.agent.start()
+        self.mirror = LocalBlockMirror()
+        self._mirror_lock = threading.Lock()  # learned on the scheduler thread, read by the event listener
+        self._events = _KVEventListener(kv_events_endpoint(options.worker_id), self._on_kv_events)
         self._requests: dict[str, "Request"] = {}  # tracked requests (their token ids grow as they decode)
         self._pinned: dict[str, list[BlockHash]] = {}  # request id -> staged blocks it holds
         self._step_started: float | None = None
@@ -158,6 +170,8 @@ class _SchedulerSide:
         self.planner.track(request.request_id, params, request.prompt_token_ids or [])
         self._requests[request.request_id] = request
         if not plan_known:  # fetch once per request; a request vLLM asks about again reuses the answer
+            plan = self.planner.requests[request.request_id]
+            self._learn(request, 0, plan.hashes)
             wanted = self.planner.wanted(request.request_id, num_computed_tokens)
             first = num_computed_tokens // self.block_size
             num_staged = self.agent.fetch(wanted, params.tenant) if wanted else 0
@@ -190,6 +204,10 @@ class _SchedulerSide:
                 cached.num_computed_tokens[i], scheduler_output.num_scheduled_tokens.get(req_id, 0), tokens)))
         saves = []
         for req_id, step in steps:
+            request = self._requests.get(req_id)
+            for copy in step.loads + step.saves:
+                if request is not None:
+                    self._learn(request, copy.block_index, [copy.block_hash])
             for copy in step.loads:
                 meta.loads.append((copy.block_id, str(staged_load_path(self.options.staging_dir, copy.block_hash))))
             for copy in step.saves:
@@ -202,6 +220,23 @@ class _SchedulerSide:
         self._step_prefill_tokens = sum(
             n for req_id, n in scheduler_output.num_scheduled_tokens.items() if n >= self.block_size)
         return meta
+
+    def _learn(self, request: "Request", first_block: int, kite_hashes: list[BlockHash]) -> None:
+        """Pair vLLM's hashes of these blocks with KITE's (vLLM hashes a block once its tokens are known)."""
+        vllm_hashes = request.block_hashes[first_block:first_block + len(kite_hashes)]
+        with self._mirror_lock:  # announcing under the lock keeps the two threads' changes in order
+            self.mirror.learn([maybe_convert_block_hash(h) for h in vllm_hashes], kite_hashes)
+            self.agent.announce(self.mirror.take_events())
+
+    def _on_kv_events(self, batch: KVEventBatch) -> None:
+        """vLLM's cache changed (listener thread): tell the ru-pool's index, in KITE's hashes."""
+        with self._mirror_lock:
+            apply_kv_events(self.mirror, batch.events)
+            self.agent.announce(self.mirror.take_events())
+
+    def stop(self) -> None:
+        self._events.stop()
+        self.agent.stop()
 
     def _tokens(self, req_id: str, cached) -> "Sequence[int]":
         """The request's tokens so far (vLLM's read-only list, not copied: read only when a block fills)."""
@@ -219,6 +254,52 @@ class _SchedulerSide:
         self._requests.pop(request_id, None)
         self.agent.unpin(self._pinned.pop(request_id, []))
         self.planner.finished(request_id)
+
+
+def apply_kv_events(mirror: LocalBlockMirror, events) -> None:
+    """Feed vLLM's KV cache events to the mirror (which turns them into announcements)."""
+    for event in events:
+        if isinstance(event, BlockStored):
+            mirror.stored(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            mirror.removed(event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            mirror.cleared()
+
+
+class _KVEventListener:
+    """Subscribes to vLLM's KV event publisher (ZMQ PUB, inproc in this process) on a thread of its own
+    and hands each decoded batch to `handle`. A lost batch only leaves the index stale for a while: the
+    pool forgets a silent worker's blocks, and routing is a preference, never a correctness matter."""
+
+    def __init__(self, endpoint: str, handle) -> None:
+        self._endpoint = endpoint
+        self._handle = handle
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kite-kv-events", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        sock = zmq.Context.instance().socket(zmq.SUB)  # inproc needs the publisher's context: instance()
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self._endpoint)
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        try:
+            while not self._stopped.is_set():
+                if not sock.poll(100):
+                    continue
+                _topic, _seq, payload = sock.recv_multipart()
+                try:
+                    self._handle(decoder.decode(payload))
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    log.warning("undecodable vLLM KV event batch skipped: %r", exc)
+        finally:
+            sock.close()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(2.0)
 
 
 class _WorkerSide:

@@ -202,3 +202,73 @@ class KVPlanner:
 
     def finished(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+
+
+class LocalBlockMirror:
+    """vLLM's own prefix cache, in KITE's block hashes: turns vLLM's KV cache events (blocks stored in and
+    removed from its paged cache, named by vLLM's hashes) into the block hashes the ru-pool's index and
+    the router know, so the fleet learns what this worker holds and what it evicted.
+
+    vLLM names blocks by its own hashes only; the connector `learn`s the pairing for the blocks of the
+    requests it tracks. The two arrive in either order (a block computed by a request without KITE
+    parameters is stored before any tracked request names it), so the mirror keeps the set of vLLM blocks
+    held and announces a held block once both are known:
+    - `stored` / `learn`: a held block with a KITE hash is announced "stored" (once while held);
+    - `removed`: an announced block is announced "removed"; `cleared`: everything is.
+    Announcements are drained with `take_events()` as ("stored" | "removed", KITE hashes) or
+    ("cleared", []), in order. Pairings are a bounded LRU and outlive evictions (the same prefix cached
+    again is announced under the same KITE hash); `held` is bounded by vLLM's own number of blocks."""
+
+    def __init__(self, max_pairs: int = 1 << 18) -> None:
+        self._kite_of: OrderedDict[object, BlockHash] = OrderedDict()  # vLLM external hash -> KITE hash
+        self._max_pairs = max_pairs
+        self.held: set[object] = set()  # vLLM hashes of the blocks in vLLM's cache now
+        self._announced: dict[object, BlockHash] = {}  # held blocks the index was told about
+        self._events: list[tuple[str, list[BlockHash]]] = []
+
+    def learn(self, vllm_hashes: Sequence[object], kite_hashes: Sequence[BlockHash]) -> None:
+        for vllm_hash, kite_hash in zip(vllm_hashes, kite_hashes):
+            self._kite_of[vllm_hash] = kite_hash
+            self._kite_of.move_to_end(vllm_hash)
+        while len(self._kite_of) > self._max_pairs:
+            self._kite_of.popitem(last=False)
+        self._announce_held(vllm_hashes)
+
+    def stored(self, vllm_hashes: Sequence[object]) -> None:
+        self.held.update(vllm_hashes)
+        self._announce_held(vllm_hashes)
+
+    def removed(self, vllm_hashes: Sequence[object]) -> None:
+        gone = []
+        for vllm_hash in vllm_hashes:
+            self.held.discard(vllm_hash)
+            kite_hash = self._announced.pop(vllm_hash, None)
+            if kite_hash is not None:
+                gone.append(kite_hash)
+        self._emit("removed", gone)
+
+    def cleared(self) -> None:
+        self.held.clear()
+        self._announced.clear()
+        self._events.append(("cleared", []))
+
+    def take_events(self) -> list[tuple[str, list[BlockHash]]]:
+        events, self._events = self._events, []
+        return events
+
+    def _announce_held(self, vllm_hashes: Sequence[object]) -> None:
+        new = []
+        for vllm_hash in vllm_hashes:
+            kite_hash = self._kite_of.get(vllm_hash)
+            if kite_hash is not None and vllm_hash in self.held and vllm_hash not in self._announced:
+                self._announced[vllm_hash] = kite_hash
+                new.append(kite_hash)
+        self._emit("stored", new)
+
+    def _emit(self, kind: str, hashes: list[BlockHash]) -> None:
+        if not hashes:
+            return
+        if self._events and self._events[-1][0] == kind:  # consecutive changes of one kind: one message
+            self._events[-1][1].extend(hashes)
+        else:
+            self._events.append((kind, hashes))

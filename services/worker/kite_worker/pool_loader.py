@@ -183,26 +183,43 @@ class PoolLoader:
             for i, data in zip(from_pool, units):
                 results[i] = data
 
-        # Direct reads run concurrently: each tier is observed once per fetch, its bytes over the wall
-        # time until its last block arrived. (Observing each block over its own wall time would count
-        # the shared bandwidth once per concurrent read: 16 reads would make a tier look 16 times slower
-        # than it is, and the plan would stop using it for good.)
+        # Direct reads: the warm blocks in one pipelined batch, cold ones concurrently (and the warm
+        # batch's misses from cold after it). Each tier is observed once per fetch, its bytes over the
+        # wall time until its last block arrived. (Observing each block over its own wall time would
+        # count the shared bandwidth once per concurrent read: 16 reads would make a tier look 16 times
+        # slower than it is, and the plan would stop using it for good.)
         direct_started = time.perf_counter()
         arrived: dict[str, list] = {}  # tier letter -> [bytes, time the last block arrived]
+        owner = tenant_tag(tenant)
+        warm, cold = (self.tier_client.warm, self.tier_client.cold) if self.tier_client else (None, None)
 
-        async def one_direct(i: int) -> None:
-            found = await self.tier_client.fetch_unit(self.model_fingerprint, bytes(hashes[i]),
-                                                      tiers="wc" if letters[i] == ord("w") else "c",
-                                                      tenant_tag=tenant_tag(tenant))
-            if found is not None:
-                unit, data, letter = found
-                results[i] = unit
-                tier = arrived.setdefault(letter, [0, 0.0])
-                tier[0] += len(data)
-                tier[1] = time.perf_counter()
+        def take(i: int, found, letter: str) -> bool:
+            if found is None:
+                return False
+            results[i] = found[0]
+            tier = arrived.setdefault(letter, [0, 0.0])
+            tier[0] += len(found[1])
+            tier[1] = time.perf_counter()
+            return True
+
+        async def from_cold(indices: list[int]) -> None:
+            if cold is None or not indices:
+                return
+            found = await asyncio.gather(*(cold.get_unit(self.model_fingerprint, bytes(hashes[i]), owner)
+                                           for i in indices))
+            for i, hit in zip(indices, found):
+                take(i, hit, "c")
+
+        async def from_warm(indices: list[int]) -> None:
+            if warm is None:
+                await from_cold(indices)
+                return
+            found = await warm.get_units(self.model_fingerprint, [bytes(hashes[i]) for i in indices], owner)
+            await from_cold([i for i, hit in zip(indices, found) if not take(i, hit, "w")])
 
         try:
-            await asyncio.gather(via_pool(), *(one_direct(i) for i in direct))
+            await asyncio.gather(via_pool(), from_warm([i for i in direct if letters[i] == ord("w")]),
+                                 from_cold([i for i in direct if letters[i] != ord("w")]))
         finally:  # also when the deadline cut the fetch short: what arrived by then is a measurement
             for letter, (num_bytes, last) in arrived.items():
                 self.cost.tiers[letter].observe(last - direct_started, num_bytes)

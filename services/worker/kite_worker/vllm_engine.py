@@ -43,7 +43,7 @@ from kite_shared.messages import (ErrorInfo, Message, StreamEnd, StreamError, To
                                   Usage)
 from kite_shared.model_store import LocalModel, ModelIdentity
 from kite_worker.engine import RequestRejected, validate_request
-from kite_worker.kv_agent import ConnectorOptions
+from kite_worker.kv_agent import ConnectorOptions, kv_events_endpoint
 from kite_worker.kv_plan import PARAMS_KEY, RequestParams
 
 log = logging.getLogger(__name__)
@@ -113,15 +113,18 @@ class VllmEngine:
 
     def start(self) -> None:
         """Start vLLM's engine processes (takes most of the worker's start-up time)."""
-        from vllm.config import KVTransferConfig
+        from vllm.config import KVEventsConfig, KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         _set_cpu_environment(self._worker_cfg.num_threads)
         remove_stale_staging(self._worker_cfg.vllm_staging_dir)
         self.options.staging_dir.mkdir(parents=True, exist_ok=True)
-        kv_transfer = None
+        kv_transfer = kv_events = None
         if self.options.reuse:
+            # vLLM's cache events tell the ru-pool's index (through the connector) what this worker holds.
+            kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                       endpoint=kv_events_endpoint(self._worker_id))
             kv_transfer = KVTransferConfig(
                 kv_connector="KiteConnector", kv_connector_module_path="kite_worker.kv_connector",
                 kv_role="kv_both", kv_load_failure_policy="recompute",
@@ -135,7 +138,7 @@ class VllmEngine:
             enforce_eager=self.options.enforce_eager, max_model_len=self.max_context_tokens,
             max_num_seqs=self.options.max_num_seqs, disable_log_stats=True,
             kv_cache_memory_bytes=int(self.options.kv_cache_gib * (1 << 30)),
-            kv_transfer_config=kv_transfer)
+            kv_transfer_config=kv_transfer, kv_events_config=kv_events)
         self.llm = AsyncLLM.from_engine_args(args)
 
     def shutdown(self) -> None:

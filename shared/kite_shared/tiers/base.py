@@ -182,7 +182,31 @@ class RemoteTier(abc.ABC):
         then counted in kite_tier_integrity_failures_total and deleted)."""
         started = time.perf_counter()
         key = BlockKey.of(model_fingerprint, block_hash, tenant_tag)
-        data = await self.get(key)
+        found = await self._verified(key, await self.get(key), model_fingerprint, block_hash, tenant_tag)
+        if found is not None:
+            metrics.TIER_FETCH_SECONDS.labels(self.name).observe(time.perf_counter() - started)
+        return found
+
+    async def get_units(self, model_fingerprint: str, block_hashes: list[bytes],
+                        tenant_tag: str = ANONYMOUS_TENANT_TAG
+                        ) -> list[tuple[recyclable_unit.RecyclableUnit, bytes] | None]:
+        """`get_unit` for many blocks in one batched read (one round trip where the tier allows it),
+        with one timeout for the batch: the tier's timeout plus a quarter of it per block, so a batch is
+        never failed for the time its own size takes, and one slow batch marks the tier down once."""
+        if not block_hashes:
+            return []
+        keys = [BlockKey.of(model_fingerprint, h, tenant_tag) for h in block_hashes]
+        batch_timeout_s = self.timeout_s * (1 + len(keys) / 4)
+        raw = await self._op("get", lambda: self._get_many(keys), [None] * len(keys), batch_timeout_s)
+        return [await self._verified(key, data, model_fingerprint, block_hash, tenant_tag)
+                for key, data, block_hash in zip(keys, raw, block_hashes)]
+
+    async def _get_many(self, keys: list[BlockKey]) -> list[bytes | None]:
+        """Raw bytes of many keys; tiers with a batched read override this (default: concurrent gets)."""
+        return list(await asyncio.gather(*(self._get(key) for key in keys)))
+
+    async def _verified(self, key: BlockKey, data: bytes | None, model_fingerprint: str, block_hash: bytes,
+                        tenant_tag: str) -> tuple[recyclable_unit.RecyclableUnit, bytes] | None:
         if data is None:
             self.misses += 1
             metrics.TIER_MISSES.labels(self.name).inc()
@@ -203,7 +227,6 @@ class RemoteTier(abc.ABC):
         self.hits += 1
         metrics.TIER_HITS.labels(self.name).inc()
         metrics.TIER_BYTES.labels(self.name, "read").inc(len(data))
-        metrics.TIER_FETCH_SECONDS.labels(self.name).observe(time.perf_counter() - started)
         return unit, data
 
     async def get_verified(self, model_fingerprint: str, block_hash: bytes,

@@ -6,6 +6,7 @@ the caller computes), puts and events are fire-and-forget publishes. Bad argumen
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 from typing import Sequence
@@ -15,6 +16,7 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 
 from kite_shared import subjects
 from kite_shared.security import ANONYMOUS_TENANT
+from kite_shared.tiers import handoff as kite_handoff
 from kite_shared.tracing import headers_with_context
 from kite_shared.messages import (
     BlockRemoved, BlockStored, ModelFingerprintChanged, PoolAdminReply, PoolAdminRequest,
@@ -26,8 +28,11 @@ log = logging.getLogger(__name__)
 
 class PoolClient:
     def __init__(self, nc: NATS, worker_id: str = "", lookup_timeout_s: float = 0.1,
-                 get_timeout_s: float = 2.0, admin_timeout_s: float = 30.0) -> None:
+                 get_timeout_s: float = 2.0, admin_timeout_s: float = 30.0, handoff: bool = True) -> None:
+        """`handoff`: accept same-host hand-off files (off: units always inline, as across hosts)."""
         self.nc = nc
+        self.handoff = handoff
+        self._host_id = kite_handoff.host_id()
         self.worker_id = worker_id
         self.lookup_timeout_s = lookup_timeout_s
         self.get_timeout_s = get_timeout_s
@@ -55,12 +60,14 @@ class PoolClient:
     async def get(self, model_fingerprint: str, block_hashes: Sequence[bytes], max_bytes: int = 0,
                   timeout_s: float | None = None, tenant: str = ANONYMOUS_TENANT) -> list[bytes]:
         """Verified encoded units of the leading blocks the pool has (several requests if the units do
-        not fit one reply). The caller still decodes each with recyclable_unit.decode before use."""
+        not fit one reply). The caller still decodes each with recyclable_unit.decode before use.
+        On the pool's host the units come as hand-off files (kite_shared.tiers.handoff)."""
         units: list[bytes] = []
         hashes = list(block_hashes)
         while len(units) < len(hashes):
             req = PoolGetRequest(model_fingerprint=model_fingerprint, block_hashes=hashes[len(units):],
-                                 max_bytes=max_bytes, tenant=tenant)
+                                 max_bytes=max_bytes, tenant=tenant,
+                                 host_id=self._host_id if self.handoff else "")
             raw = await self._request(subjects.POOL_GET, req.encode(), timeout_s or self.get_timeout_s)
             if raw is None:
                 break
@@ -69,8 +76,19 @@ class PoolClient:
                 break
             if reply.error is not None:
                 log.debug("pool get: %s", reply.error.message)
-            units.extend(reply.units)
-            if reply.complete or not reply.units:
+            received = reply.units
+            if reply.unit_files:
+                try:
+                    received = await asyncio.to_thread(kite_handoff.take_all, reply.unit_files)
+                except OSError as exc:
+                    # Same boot id, another mount namespace (a container without the pool's folder):
+                    # inline from now on, and ask again for these.
+                    log.warning("pool hand-off files unreadable here (%r); asking for inline replies from now on",
+                                exc)
+                    self.handoff = False
+                    continue
+            units.extend(received)
+            if reply.complete or not received:
                 break
         return units
 

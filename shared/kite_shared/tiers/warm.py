@@ -83,6 +83,16 @@ class RedisTier(RemoteTier):
             data, _ = await pipe.execute()
         return data
 
+    async def _get_many(self, keys: list[BlockKey]) -> list[bytes | None]:
+        """One pipelined round trip (GET + EXPIRE XX per key); on a cluster, redis-py splits it by node."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for key in keys:
+                name = redis_key(key)
+                pipe.get(name)
+                pipe.expire(name, self.ttl_s, xx=True)
+            replies = await pipe.execute()
+        return replies[::2]
+
     async def _put(self, key: BlockKey, data: bytes, pinned: bool) -> None:
         await self._redis.set(redis_key(key), data, ex=None if pinned else self.ttl_s)
 
