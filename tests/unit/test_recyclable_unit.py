@@ -32,7 +32,7 @@ def test_round_trip(codec):
 def test_layout_is_magic_length_header_payload():
     data = unit().encode()
     magic, version, header_len = struct.unpack_from(">3sBI", data)
-    assert (magic, version) == (b"KRU", 3)
+    assert (magic, version) == (b"KRU", 4)
     header = msgpack.unpackb(data[8:8 + header_len])
     assert header["shape"] == list(SHAPE) and header["codec"] == "fp16"
     assert data[8 + header_len:] == unit().payload
@@ -48,7 +48,8 @@ def test_flipped_payload_byte_fails_checksum():
 @pytest.mark.parametrize("damage", [
     lambda d: d[:7],  # truncated preamble
     lambda d: b"XRU" + d[3:],  # bad magic
-    lambda d: d[:3] + b"\x04" + d[4:],  # unknown version
+    lambda d: d[:3] + b"\x05" + d[4:],  # unknown version
+    lambda d: d[:3] + b"\x03" + d[4:],  # version 3 (MAC over the payload too) is no longer read
     lambda d: d[:3] + b"\x01" + d[4:],  # version 1 (no MAC) is no longer read
     lambda d: d[:3] + b"\x02" + d[4:],  # version 2 (no tenant tag) is no longer read
     lambda d: d[:-2],  # payload shorter than the shape needs
