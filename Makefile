@@ -31,7 +31,7 @@ bench: install
 	$(PY) -m kite_cli.main bench --workload system-prompt
 
 bench-vllm: install
-	$(PY) bench/bench_vllm_peer.py
+	$(PY) -m kite_cli.main bench vllm-peer
 
 bench-reuse: install
 	$(PY) bench/bench_reuse_ttft.py

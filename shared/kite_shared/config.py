@@ -278,8 +278,8 @@ SETTINGS: tuple[Setting, ...] = (
             minimum=1),
     Setting("KITE_ARBITRATOR_RULES_FILE", str, "", ARBITRATOR,
             "YAML rules file (docs/arbitrator.md); empty means the built-in default rules "
-            "(deploy/arbitrator/rules.yaml). Reloaded when it changes; a bad file is rejected and "
-            "the previous rules stay."),
+            "(`services/arbitrator/kite_arbitrator/default_rules.yaml`, installed with the package). "
+            "Reloaded when it changes; a bad file is rejected and the previous rules stay."),
     Setting("KITE_ARBITRATOR_MIN_HOLD_S", float, "1.0", ARBITRATOR,
             "Hysteresis: a decided policy is not changed again within this many seconds.", minimum=0),
     Setting("KITE_ARBITRATOR_STALE_S", float, "3.0", ARBITRATOR,

@@ -73,3 +73,14 @@ def test_unknown_workload_is_refused():
     with pytest.raises(ValueError):
         workloads.build("nope", 0, requests=1, shared_tokens=1, question_tokens=1, sessions=1, turns=1,
                         first_tokens=1, turn_tokens=1, documents=1, doc_tokens=1, prompt_tokens=1)
+
+
+def test_the_vllm_peer_comparison_is_a_kite_bench_mode(capsys):
+    from kite_cli import bench
+    from kite_cli.bench.systems import vllm_skip_reason
+
+    with pytest.raises(SystemExit) as done:
+        bench.main(["vllm-peer", "--help"])
+    assert done.value.code == 0
+    assert "usage: kite bench vllm-peer" in capsys.readouterr().out
+    assert "kite bench vllm-peer" in vllm_skip_reason()

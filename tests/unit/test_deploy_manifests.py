@@ -2,8 +2,9 @@
 
 No container engine or cluster is needed. Every check compares the files with a source of truth in the
 repository: the KITE_* registry (kite_shared.config.SETTINGS) for variable names, scopes, types and
-default ports; the Dockerfile's stages for image names; pyproject's console scripts for entrypoints;
-docs/deploy.md's metric table for metric names. Tools that do more when present:
+default ports; the Dockerfile's stages for image names and for which environment (engine build) an image
+runs; pyproject's console scripts for entrypoints; docs/deploy.md's metric table for metric names; the
+ru-pool's module docstring for its one-replica limit. Tools that do more when present:
   - `kubectl kustomize` (or `kustomize build`) renders the overlays; without it only the base is rendered,
     by a small loader here;
   - kubernetes-validate checks every rendered object against the Kubernetes OpenAPI schemas;
@@ -21,6 +22,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import re
 import shlex
@@ -35,7 +37,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from kite_shared.config import SETTINGS, Setting
+from kite_shared.config import ENGINE_BLOCK_SIZES, SETTINGS, ModelConfig, Setting, load
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -59,9 +61,17 @@ SERVICE_PACKAGES = {
 }
 SOURCE_ROOTS = (ROOT / "shared", ROOT / "cli", *(p.parent for p in SERVICE_PACKAGES.values()))
 # Image targets beyond one per service.
-EXTRA_TARGETS = ("worker-gpu",)
+EXTRA_TARGETS = ("worker-gpu", "fingerprinter-gpu")
 # Which service each image target runs.
-TARGET_SERVICE = {**{s: s for s in SERVICES}, "worker-gpu": "worker"}
+TARGET_SERVICE = {**{s: s for s in SERVICES}, "worker-gpu": "worker", "fingerprinter-gpu": "fingerprinter"}
+# Services that must never run two pods at once, and why. The ru-pool's module docstring states its limit
+# (a test below holds the manifests to it and notices when the docstring drops it).
+SINGLE_REPLICA = {
+    "ru-pool": "its index is in its process (kite_ru_pool/service.py: \"One replica per deployment\")",
+    "arbitrator": "two would publish conflicting decisions",
+}
+RU_POOL_SERVICE = SERVICE_PACKAGES["ru-pool"] / "service.py"
+GPU_CHECK = ROOT / "deploy" / "gpu" / "check.sh"
 
 # Custom resources without a Kubernetes schema; each is checked by hand below.
 KNOWN_CRDS = {("keda.sh/v1alpha1", "ScaledObject")}
@@ -140,6 +150,19 @@ def compose_effective(service: str, name: str) -> Any:
     if name in image_env:
         return REGISTRY[name].parse(image_env[name])
     return registry_default(name)
+
+
+def compose_raw_env(service: str) -> dict[str, str]:
+    """The environment `service` starts with: its image's ENV, then compose's (unparsed)."""
+    target = compose()["services"][service]["build"]["target"]
+    return {**dockerfile().env(target), **compose_env(service)}
+
+
+def compose_size(value: Any) -> int:
+    """A compose byte size (shm_size: 1gb, 512m, 67108864) in bytes."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?)b?", str(value).strip().lower())
+    assert match, f"not a compose size: {value!r}"
+    return int(float(match.group(1)) * {"": 1, "k": 1 << 10, "m": MIB, "g": GIB}[match.group(2)])
 
 
 def port_mapping(entry: Any) -> tuple[str | None, int]:
@@ -255,6 +278,23 @@ def image_target(image: str) -> str:
     """kite/worker:dev, registry.example.com/kite/worker-gpu:0.1.0 -> the Dockerfile target name."""
     name = image.rsplit("/", 1)[-1]
     return name.split("@")[0].split(":")[0]
+
+
+def venv_stage(target: str) -> str:
+    """The stage whose /opt/venv an image runs: which packages, and so which engine build, it has."""
+    for args in reversed(dockerfile().all(target, "COPY")):
+        match = re.search(r"--from=(\S+)\s+/opt/venv\s", args + " ")
+        if match:
+            return match.group(1)
+    raise AssertionError(f"{target} copies no /opt/venv")
+
+
+def image_home() -> str:
+    """$HOME of the images' user (where vLLM keeps its caches)."""
+    runs = " ".join(dockerfile().all("base", "RUN"))
+    match = re.search(r"--home-dir\s+(\S+)", runs)
+    assert match, "the base stage creates no user with a home folder"
+    return match.group(1)
 
 
 def dockerignore_excludes(path: str) -> bool:
@@ -543,6 +583,46 @@ def test_compose_model_settings_agree_between_fingerprinter_and_worker():
         assert compose_effective("fingerprinter", name) == compose_effective("worker", name), name
 
 
+def check_block_size(env: dict[str, str], where: str) -> list[str]:
+    """KITE_BLOCK_SIZE must be what the engine's default is chosen for (kite_shared.config: a KITE block
+    is one vLLM block, and vLLM-CPU's attention wants a multiple of 32 tokens)."""
+    cfg = load(ModelConfig, env)
+    unit = ENGINE_BLOCK_SIZES[cfg.engine]
+    if cfg.block_size % unit:
+        return [f"{where}: KITE_BLOCK_SIZE={cfg.block_size} on the {cfg.engine} engine, whose blocks are "
+                f"multiples of {unit} tokens"]
+    return []
+
+
+def test_compose_block_size_fits_the_engine():
+    problems = []
+    for service in ("fingerprinter", "worker"):
+        problems += check_block_size(compose_raw_env(service), f"docker-compose.yml {service}")
+    assert not problems, "\n".join(problems)
+
+
+def test_compose_fingerprinter_and_worker_share_one_environment():
+    # The execution-path fingerprint names the installed engine build (model_store.execution_path), and a
+    # worker refuses requests that a fingerprinter of another build hashed.
+    targets = {s: compose()["services"][s]["build"]["target"] for s in ("fingerprinter", "worker")}
+    assert venv_stage(targets["fingerprinter"]) == venv_stage(targets["worker"]), targets
+
+
+def test_compose_vllm_worker_has_room_in_shared_memory():
+    # vLLM's processes and the KV connector's staging files (KITE_VLLM_STAGING_DIR) live in /dev/shm,
+    # 64 MB in a Docker container unless shm_size says otherwise.
+    worker = compose()["services"]["worker"]
+    assert compose_effective("worker", "KITE_ENGINE") == "vllm"
+    assert str(compose_effective("worker", "KITE_VLLM_STAGING_DIR")).startswith("/dev/shm")
+    assert compose_size(worker.get("shm_size", "64m")) > 64 * MIB, "the worker keeps Docker's 64 MB /dev/shm"
+
+
+def test_compose_does_not_scale_single_replica_services():
+    for service in SINGLE_REPLICA:
+        replicas = (compose()["services"][service].get("deploy") or {}).get("replicas", 1)
+        assert replicas == 1, f"{service}: {replicas} replicas, but {SINGLE_REPLICA[service]}"
+
+
 def test_compose_references_resolve():
     services = compose()["services"]
     for name, spec in services.items():
@@ -745,7 +825,7 @@ def test_model_is_converted_at_build_time_with_the_shared_api():
             for alias in node.names:
                 assert hasattr(module, alias.name), f"{node.module}.{alias.name} does not exist"
     assert dockerfile().env("model")["KITE_MODEL_CACHE_DIR"] == dockerfile().env("worker")["KITE_MODEL_CACHE_DIR"]
-    for target in ("worker", "fingerprinter", "worker-gpu"):
+    for target in ("worker", "fingerprinter", "worker-gpu", "fingerprinter-gpu"):
         copies = dockerfile().all(target, "COPY")
         assert any("--from=model" in c and "/opt/kite/models" in c for c in copies), target
 
@@ -758,15 +838,49 @@ def test_smollm2_version_matches_the_installed_one():
     assert dockerfile().global_args["SMOLLM2_VERSION"] == installed
 
 
-def test_gpu_worker_installs_the_vllm_extra_and_no_cpu_torch():
+def requirement_pins(text: str) -> dict[str, str]:
+    """name -> the pinned line of a requirements file."""
+    return {m.group(1).lower(): m.group(0).split("#")[0].strip()
+            for m in re.finditer(r"^([A-Za-z0-9_.-]+)(\[.*\])?==\S+.*$", text, flags=re.MULTILINE)}
+
+
+def kept_by_filter(packages: str, requirements: str) -> set[str]:
+    """The pins the Dockerfile's `grep -vE "^(${PACKAGES// /|})(\\[.*\\])?=="` keeps."""
+    pattern = re.compile(rf"^({'|'.join(map(re.escape, packages.split()))})(\[.*\])?==")
+    return {name for name, line in requirement_pins(requirements).items() if not pattern.match(line)}
+
+
+def test_gpu_images_install_the_vllm_extra_with_every_pin_but_the_cpu_engine():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert "vllm" in pyproject["project"]["optional-dependencies"]
-    runs = " ".join(dockerfile().all("venv-gpu", "RUN"))
-    assert '"/src[vllm]"' in runs
-    chain = {s.name for s in dockerfile().chain("worker-gpu")}
-    copies = " ".join(dockerfile().all("worker-gpu", "COPY"))
-    assert "venv-ml" not in chain and "--from=venv-ml" not in copies
-    assert "TORCH_INDEX_URL" not in runs
+    assert pyproject["project"]["optional-dependencies"]["vllm"], "pyproject.toml has no vllm extra"
+    requirements = (ROOT / "requirements.txt").read_text()
+    pins = requirement_pins(requirements)
+    cpu_engine = dockerfile().global_args["CPU_ENGINE_PACKAGES"]
+    assert set(cpu_engine.split()) <= set(pins), "CPU_ENGINE_PACKAGES must be requirements.txt pins"
+    # The GPU environment keeps every other pin, so fingerprinter-gpu tokenizes with the transformers
+    # and tokenizers the CPU images run.
+    kept = kept_by_filter(cpu_engine, requirements)
+    assert kept == set(pins) - set(cpu_engine.split())
+    assert {"transformers", "tokenizers"} <= kept
+    runs = dockerfile().all("venv-gpu", "RUN")
+    text = " ".join(runs)
+    assert "${CPU_ENGINE_PACKAGES" in text and "${ML_PACKAGES" not in text
+    assert '["optional-dependencies"]["vllm"]' in text
+    # One pip run installs the pins and the extra: vLLM accepts every pin or the build fails.
+    assert any(re.search(r"pip install -r /tmp/requirements-gpu\.txt -r /tmp/requirements-vllm\.txt", r)
+               for r in runs), runs
+    for target in ("worker-gpu", "fingerprinter-gpu"):
+        chain = {s.name for s in dockerfile().chain(target)}
+        assert venv_stage(target) == "venv-gpu", target
+        assert "venv-ml" not in chain, target
+    assert "TORCH_INDEX_URL" not in text
+
+
+def test_gpu_check_script_keeps_the_same_pins_as_the_gpu_images():
+    # deploy/gpu/check.sh builds the GPU environment outside Docker: it must leave out the same packages.
+    match = re.search(r"grep -vE '\^\(([^)]*)\)", GPU_CHECK.read_text())
+    assert match, "check.sh no longer filters requirements.txt with grep -vE '^(...)'"
+    assert set(match.group(1).split("|")) == set(dockerfile().global_args["CPU_ENGINE_PACKAGES"].split())
 
 
 def test_dockerfile_passes_hadolint():
@@ -1032,8 +1146,13 @@ def test_kubernetes_limits_cover_the_configured_budgets(variant):
         limits = container["resources"]["limits"]
         memory = parse_quantity(limits["memory"])
         if service == "worker":
-            # model + torch need about 1 GiB beside the hot cache
-            assert memory >= effective(env, "KITE_WORKER_CACHE_BYTES") + GIB, variant
+            # model + torch need about 1 GiB beside the KV the engine keeps: vLLM's paged cache, or the
+            # transformers engine's hot cache
+            if effective(env, "KITE_ENGINE") == "vllm":
+                kv = effective(env, "KITE_VLLM_KV_CACHE_GIB") * GIB
+            else:
+                kv = effective(env, "KITE_WORKER_CACHE_BYTES")
+            assert memory >= kv + GIB, variant
             threads = effective(env, "KITE_WORKER_NUM_THREADS")
             assert 1 <= threads <= parse_quantity(limits["cpu"]), \
                 f"{variant}: KITE_WORKER_NUM_THREADS={threads} vs CPU limit {limits['cpu']}"
@@ -1048,6 +1167,116 @@ def test_kubernetes_model_settings_agree_between_fingerprinter_and_worker(varian
     for spec in SETTINGS:
         if {"fingerprinter", "worker"} <= set(spec.services):
             assert effective(envs["fingerprinter"], spec.env) == effective(envs["worker"], spec.env), spec.env
+
+
+@pytest.mark.parametrize("variant", ["base", *OVERLAYS])
+def test_kubernetes_block_size_fits_the_engine(variant):
+    docs = rendered(variant)
+    problems = []
+    for service, _, container in kite_containers(docs):
+        if service in ("fingerprinter", "worker"):
+            problems += check_block_size(container_env(docs, container), f"{variant} {service}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("variant", ["base", *OVERLAYS])
+def test_kubernetes_fingerprinter_and_workers_share_one_environment(variant):
+    # The execution-path fingerprint names the installed engine build (model_store.execution_path), and a
+    # worker refuses requests that a fingerprinter of another build hashed: a GPU deployment that kept
+    # the CPU fingerprinter would refuse every request.
+    images = {s: image_target(c["image"]) for s, _, c in kite_containers(rendered(variant))}
+    assert venv_stage(images["fingerprinter"]) == venv_stage(images["worker"]), images
+
+
+def mounted(container: dict, pod: dict, path: str, medium: str | None = None) -> bool:
+    """Whether a writable emptyDir (of `medium`, when given) is mounted at `path` or above it."""
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        root = mount["mountPath"].rstrip("/") + "/"
+        if mount.get("readOnly") or not (path.rstrip("/") + "/").startswith(root):
+            continue
+        empty_dir = volumes.get(mount["name"], {}).get("emptyDir")
+        if empty_dir is not None and (medium is None or empty_dir.get("medium") == medium):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("variant", ["base", *OVERLAYS])
+def test_kubernetes_vllm_workers_have_a_writable_home_and_shared_memory(variant):
+    docs = rendered(variant)
+    for service, deployment, container in kite_containers(docs):
+        env = container_env(docs, container)
+        if service != "worker" or effective(env, "KITE_ENGINE") != "vllm":
+            continue
+        pod = deployment["spec"]["template"]["spec"]
+        if container["securityContext"].get("readOnlyRootFilesystem"):
+            # vLLM writes its compile cache under $HOME (~/.cache/vllm) at start.
+            home = image_home()
+            assert mounted(container, pod, home), f"{variant}: nothing writable at {home}"
+        # The KV connector stages blocks there, and Kubernetes gives a container 64 MiB of /dev/shm.
+        staging = str(effective(env, "KITE_VLLM_STAGING_DIR"))
+        assert mounted(container, pod, staging, medium="Memory"), f"{variant}: no memory volume at {staging}"
+
+
+def most_pods_during_rollout(deployment: dict) -> int:
+    """How many pods of a Deployment can run at once while it rolls out (replicas plus the surge)."""
+    spec = deployment["spec"]
+    replicas = spec.get("replicas", 1)
+    strategy = spec.get("strategy") or {}
+    if strategy.get("type", "RollingUpdate") == "Recreate":
+        return replicas  # the old pods are gone before new ones start
+    surge = (strategy.get("rollingUpdate") or {}).get("maxSurge", "25%")
+    if isinstance(surge, str) and surge.endswith("%"):
+        return replicas + math.ceil(replicas * int(surge[:-1]) / 100)  # Kubernetes rounds a surge up
+    return replicas + int(surge)
+
+
+def test_rollout_count_sees_a_default_rolling_update_surge():
+    one = {"spec": {"replicas": 1}}
+    assert most_pods_during_rollout(one) == 2  # Kubernetes' default: RollingUpdate, maxSurge 25% -> 1
+    assert most_pods_during_rollout({"spec": {"replicas": 1, "strategy": {"type": "Recreate"}}}) == 1
+    assert most_pods_during_rollout(
+        {"spec": {"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0}}}}) == 1
+
+
+@pytest.mark.parametrize("variant", ["base", *OVERLAYS])
+@pytest.mark.parametrize("service", sorted(SINGLE_REPLICA))
+def test_single_replica_services_never_run_two_pods(variant, service):
+    docs = rendered(variant)
+    deployment = objects(docs, "Deployment")[service]
+    why = SINGLE_REPLICA[service]
+    assert deployment["spec"].get("replicas", 1) == 1, f"{variant}: {service} has replicas > 1, but {why}"
+    assert most_pods_during_rollout(deployment) == 1, \
+        f"{variant}: a rollout of {service} can run two pods at once (use strategy Recreate), but {why}"
+    scalers = [o["spec"]["scaleTargetRef"]["name"] for kind in ("HorizontalPodAutoscaler", "ScaledObject")
+               for o in objects(docs, kind).values()]
+    assert service not in scalers, f"{variant}: {service} is autoscaled, but {why}"
+
+
+def test_the_ru_pool_code_still_runs_one_replica():
+    # The source of SINGLE_REPLICA["ru-pool"]: once the index is shared, drop the entry (and let the
+    # manifests and docs/deploy.md scale the ru-pool).
+    docstring = ast.get_docstring(ast.parse(RU_POOL_SERVICE.read_text())) or ""
+    assert "One replica per deployment" in docstring
+
+
+REPLICA_CLAIM = re.compile(r"\b(\d+)\s*(\+|or more)?\s+replicas?\b", re.IGNORECASE)
+
+
+def test_docs_claim_no_more_replicas_than_single_replica_services_run():
+    problems = []
+    for doc in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
+        # list items and sentences: a count belongs to the service named next to it
+        for item in re.split(r"\n\s*\n|\n(?=\s*[-*|] )", doc.read_text()):
+            for sentence in re.split(r"(?<=[.;])\s", item):
+                names = [s for s in SINGLE_REPLICA if s in sentence.lower()]
+                for claim in REPLICA_CLAIM.finditer(sentence):
+                    if names and (int(claim.group(1)) > 1 or claim.group(2)):
+                        problems.append(f"{doc.relative_to(ROOT)}: {names}: {sentence.strip()[:160]}")
+    assert not problems, "\n".join(problems)
+    layout = re.search(r"^- \*\*ru-pool\*\*:(.*)$", DEPLOY_DOC.read_text(), flags=re.MULTILINE)
+    assert layout and re.search(r"\b(one|1) replica\b", layout.group(1)), \
+        "docs/deploy.md's production layout must say the ru-pool runs one replica"
 
 
 @pytest.mark.parametrize("variant", ["base", *OVERLAYS])
@@ -1076,12 +1305,15 @@ def test_kubernetes_images_are_dockerfile_targets(variant):
                 assert image_target(container["image"]) in dockerfile().stages
 
 
-def test_gpu_overlay_runs_the_gpu_image_with_a_gpu():
-    worker = objects(rendered("prod-gpu"), "Deployment")["worker"]
-    container = next(c for c in worker["spec"]["template"]["spec"]["containers"] if c["name"] == "worker")
-    assert image_target(container["image"]) == "worker-gpu"
-    assert "/" in container["image"].split(":")[0].removeprefix("kite/"), "registry not applied"
-    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+def test_gpu_overlay_runs_the_gpu_images_with_a_gpu():
+    containers = {s: c for s, _, c in kite_containers(rendered("prod-gpu"))}
+    assert image_target(containers["worker"]["image"]) == "worker-gpu"
+    assert image_target(containers["fingerprinter"]["image"]) == "fingerprinter-gpu"
+    for service in ("worker", "fingerprinter"):
+        image = containers[service]["image"]
+        assert "/" in image.split(":")[0].removeprefix("kite/"), f"{service}: registry not applied"
+    assert int(containers["worker"]["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+    assert "nvidia.com/gpu" not in containers["fingerprinter"]["resources"]["limits"]
 
 
 @pytest.mark.parametrize("variant", ["prod", "prod-gpu"])

@@ -6,8 +6,9 @@
 - TransformersSystem: plain `model.generate` in this process on the same converted checkpoint the worker
   serves (no services, no reuse): KITE's overhead.
 - LlamaCppSystem: llama-cpp-python on the same GGUF file, with its `LlamaRAMCache` prompt cache.
-- Plain vLLM is compared in `bench/bench_vllm_peer.py` (`make bench-vllm`), not here: each vLLM server
-  takes about a minute to start and the two must not share the two cores; `vllm_skip_reason()` says so.
+- Plain vLLM is compared by `kite bench vllm-peer` (vllm_peer.py, `make bench-vllm`), not in a workload
+  run: each vLLM server takes one to three minutes to start and the two must not share the two cores;
+  `vllm_skip_reason()` says so.
 
 All systems decode greedily (temperature 0) from the same token ids: the chat template is applied once,
 by the same tokenizer the fingerprinter uses.
@@ -250,7 +251,7 @@ class LlamaCppSystem:
 
 def vllm_skip_reason() -> str:
     return ("skipped here: plain vLLM against KITE-on-vLLM with the same engine flags is "
-            "bench/bench_vllm_peer.py (make bench-vllm), which runs the two servers one after the other")
+            "`kite bench vllm-peer` (make bench-vllm), which runs the two servers one after the other")
 
 
 _METRIC_LINE = re.compile(r'^kite_tier_(\w+?)_total(?:\{([^}]*)\})?\s+(\S+)$')

@@ -14,7 +14,8 @@ in turn, with each engine's KV memory sized to hold about a quarter of them: pla
 recomputes every document, KITE reloads them from its pool. A first pass stores them; the second pass
 (one request at a time) gives the mean TTFT, the third (4 concurrent) the requests per second.
 
-    python bench/bench_vllm_peer.py [--eager] [--users 16] [--concurrency 1 4 8] [--working-set] [--json out.json]
+    kite bench vllm-peer [--eager] [--users 16] [--concurrency 1 4 8] [--working-set] [--json out.json]
+    (make bench-vllm)
 """
 
 from __future__ import annotations
@@ -265,8 +266,9 @@ def working_set_comparison(args, model_path: Path, log_dir: Path, results: dict)
           f"{same}/{len(mine['answers'])}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kite bench vllm-peer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--eager", action="store_true", help="both engines without torch.compile")
     parser.add_argument("--users", type=int, default=16)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
@@ -280,7 +282,7 @@ def main() -> None:
                              "that still admits one 8,192-token request)")
     parser.add_argument("--only-working-set", action="store_true", help="skip the shared-prefix comparison")
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from kite_shared.config import ModelConfig, load
     from kite_shared.model_store import prepare
@@ -294,7 +296,4 @@ def main() -> None:
         working_set_comparison(args, model_path, log_dir, results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    return 0
