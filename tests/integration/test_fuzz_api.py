@@ -65,7 +65,9 @@ def _clamp(case, mode) -> None:
     if isinstance(body, dict):
         for field in ("max_tokens", "max_completion_tokens"):
             value = body.get(field)
-            if isinstance(value, int) and not isinstance(value, bool) and 4 < value < CLAMP_BELOW:
+            # JSON integers may come as 5000.0 (the API accepts them): clamp those too, or one example
+            # asks for thousands of tokens per choice and outlives the client's timeout.
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and 4 < value < CLAMP_BELOW:
                 body[field] = 4
 
 

@@ -55,3 +55,19 @@ def test_every_service_exports_metrics_that_move_with_traffic(fresh_stack_factor
             break
         time.sleep(0.5)
     assert stuck == []
+
+
+def test_a_client_that_leaves_a_non_streaming_request_stops_its_generation(fresh_stack_factory):
+    stack = fresh_stack_factory(num_workers=1, metrics=True)
+    worker = next(f"http://127.0.0.1:{p.metrics_port}/metrics" for p in stack.processes if p.name == "worker")
+    try:  # thousands of tokens: minutes of work, unless the client's leaving stops it
+        httpx.post(stack.http_url + "/v1/chat/completions", timeout=3, json={
+            "model": MODEL, "max_tokens": 4000, "kite": {"ignore_eos": True},
+            "messages": [{"role": "user", "content": "Count to a million."}]})
+        raise AssertionError("a 4,000-token answer came back within 3 s")
+    except httpx.ReadTimeout:
+        pass
+    deadline = time.monotonic() + 20
+    while total(scrape(worker), "kite_worker_running_requests") > 0:
+        assert time.monotonic() < deadline, "the worker kept generating for a client that had left"
+        time.sleep(0.5)

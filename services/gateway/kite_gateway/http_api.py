@@ -260,7 +260,9 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
         headers = {**permit.headers, **_worker_header(generations)}
         if body.stream:
             return _sse(_chat_stream(response_id, body, generations, started, permit), headers)
-        results = await asyncio.gather(*(collect(g) for g in generations))
+        results = await _unless_disconnected(request, asyncio.gather(*(collect(g) for g in generations)))
+        if results is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         _observe([end for _, end in results], generations, started)
         usage = usage_body([end for _, end in results])
         permit.settle(usage["total_tokens"])
@@ -298,7 +300,9 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
         headers = {**permit.headers, **_worker_header(generations)}
         if body.stream:
             return _sse(_completion_stream(response_id, body, generations, started, permit), headers)
-        results = await asyncio.gather(*(collect(g) for g in generations))
+        results = await _unless_disconnected(request, asyncio.gather(*(collect(g) for g in generations)))
+        if results is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         ends = [end for _, end in results]
         _observe(ends, generations, started)
         usage = batch_usage_body([ends[i:i + body.n] for i in range(0, len(ends), body.n)])
@@ -331,6 +335,35 @@ def _declare_bearer_auth(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's code for "the client went away first"; nobody receives it
+
+
+async def _unless_disconnected(request: Request, work):
+    """`work`'s result, or None when the client disconnects first: then `work` is cancelled, and each
+    generation's close() tells its worker to stop (a non-streaming request otherwise runs to its end for
+    nobody, holding a worker for as long as its max_tokens allow). The request body has been read, so the
+    next ASGI message is the disconnect (vLLM's `with_cancellation` listens the same way)."""
+    work_task = asyncio.ensure_future(work)
+
+    async def client_gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    listener = asyncio.ensure_future(client_gone())
+    try:
+        await asyncio.wait({work_task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work_task.done():
+            work_task.cancel()
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+    if work_task.cancelled() or not work_task.done():
+        await asyncio.gather(work_task, return_exceptions=True)  # the generations' close() runs here
+        log.info("client disconnected before its response; generation cancelled")
+        return None
+    return work_task.result()
 
 
 def _observe(ends: list[StreamEnd], generations: list[Generation], started: float) -> None:
