@@ -1,0 +1,201 @@
+"""The arbitrator service: the NATS side of the arbitrator (docs/arbitrator.md).
+
+Boundary: what to decide lives in `core.ArbitratorCore` (pure) and `rules.py` (the YAML schema); this
+module only decodes telemetry and admin requests, hands them to the core, publishes the decisions it
+returns, re-reads the rules file and writes the decision log. The entrypoint (`__main__.py`) only wires
+config, the connection and this class.
+
+Every telemetry message triggers an evaluation at once (decision latency = telemetry received -> decision
+published, measured here and reported by the admin `status` op and
+`kite_arbitrator_decision_latency_seconds`); a timer evaluates every KITE_ARBITRATOR_EVAL_INTERVAL_S too
+(staleness, `for_s` conditions). The rules file is re-read when it changes (checked every second) or on
+the admin op `reload`; a bad file is rejected, logged, and the previous rules stay. Every decision is
+re-announced every 5 s with `refresh=True`, so a service that restarts converges without the arbitrator
+keeping per-subscriber state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from collections import deque
+from pathlib import Path
+
+from nats.aio.msg import Msg
+from prometheus_client import Counter as MetricCounter, Histogram
+
+from kite_shared import subjects
+from kite_shared.config import ArbitratorConfig
+from kite_shared.messages import Heartbeat, MessageError, decode_or_log
+from kite_shared.service import ServiceRuntime
+from kite_shared.telemetry import (ROUTING_MODES, ArbitratorAdminReply, ArbitratorAdminRequest,
+                                   decode_telemetry)
+from kite_arbitrator.core import ArbitratorCore
+from kite_arbitrator.rules import DEFAULT_RULES_PATH, RulesError, load_rules, parse_rules
+
+log = logging.getLogger("kite_arbitrator")
+decision_log = logging.getLogger("kite_arbitrator.decisions")
+
+RECEIVED = MetricCounter("kite_arbitrator_messages_total", "Messages the arbitrator received, by kind",
+                         ["kind"])
+DECISIONS = MetricCounter("kite_arbitrator_decisions_total", "Decisions published, by kind", ["kind"])
+LATENCY = Histogram("kite_arbitrator_decision_latency_seconds", "Telemetry received -> decision published",
+                    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.017, 0.025, 0.05, 0.1))
+RELOADS = MetricCounter("kite_arbitrator_rules_reloads_total", "Rules file loads, by outcome", ["outcome"])
+
+REFRESH_INTERVAL_S = 5.0
+RULES_POLL_S = 1.0
+
+
+class ArbitratorService:
+    def __init__(self, rt: ServiceRuntime, cfg: ArbitratorConfig) -> None:
+        self.rt = rt
+        self.cfg = cfg
+        self.rules_path = Path(cfg.rules_file) if cfg.rules_file else DEFAULT_RULES_PATH
+        try:
+            rules, version = load_rules(self.rules_path)
+        except RulesError as exc:  # no previous rules yet: the built-in ones
+            log.error("rules rejected, using the built-in default rules: %s", exc)
+            RELOADS.labels("rejected").inc()
+            rules, version = load_rules(None)
+        self._rules_stamp = self._stamp()
+        self.core = ArbitratorCore(rules=rules, rules_version=version, min_hold_s=cfg.min_hold_s,
+                                   stale_s=cfg.stale_s, ttft_slo_s=cfg.ttft_slo_s,
+                                   min_active_workers=cfg.min_active_workers, started_at=time.time())
+        self.core.set_rules(rules, version, time.time())
+        self.live: dict[str, Heartbeat] = {}
+        self.latencies: deque[float] = deque(maxlen=10_000)  # seconds, telemetry -> decision published
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        nc = self.rt.nc
+        await nc.subscribe(subjects.HEARTBEAT_WILDCARD, cb=self.on_heartbeat)
+        await nc.subscribe(subjects.TELEMETRY_WILDCARD, cb=self.on_telemetry)
+        await nc.subscribe(subjects.ARBITRATOR_ADMIN, queue="arbitrator", cb=self.on_admin)
+        self._tasks = [asyncio.create_task(self._eval_loop()), asyncio.create_task(self._rules_loop()),
+                       asyncio.create_task(self._refresh_loop())]
+        self._write_log()
+
+    async def on_heartbeat(self, msg: Msg) -> None:
+        beat = decode_or_log(Heartbeat.decode, msg.data, log, "bad heartbeat on %s", msg.subject)
+        if beat is None:
+            return
+        if beat.instance_id not in self.live:
+            log.info("new %s instance %s", beat.service, beat.instance_id)
+        self.live[beat.instance_id] = beat
+        RECEIVED.labels("heartbeat").inc()
+
+    async def on_telemetry(self, msg: Msg) -> None:
+        received = time.perf_counter()
+        telemetry = decode_or_log(decode_telemetry, msg.data, log, "bad telemetry on %s", msg.subject)
+        if telemetry is None:
+            return
+        RECEIVED.labels(telemetry.KIND).inc()
+        now = time.time()
+        self.core.observe(telemetry, now)
+        if await self._publish(self.core.evaluate(now)):
+            seconds = time.perf_counter() - received
+            self.latencies.append(seconds)
+            LATENCY.observe(seconds)
+
+    async def _publish(self, decisions) -> int:
+        for d in decisions:
+            try:
+                await self.rt.nc.publish(subjects.DECISIONS, d.encode())
+                DECISIONS.labels(d.action).inc()
+            except Exception as exc:  # reconnecting: the periodic refresh re-announces it
+                log.warning("decision %s not published: %s", d.decision_id, exc)
+        self._write_log()
+        return len(decisions)
+
+    def _write_log(self) -> None:
+        for entry in self.core.take_log():  # the structured decision log: one JSON object per change
+            decision_log.info("%s", json.dumps(entry, sort_keys=True, default=str))
+
+    async def _eval_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.eval_interval_s)
+            try:
+                await self._publish(self.core.evaluate(time.time()))
+            except Exception:
+                log.exception("evaluation failed")
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_INTERVAL_S)
+            for d in self.core.current_decisions():
+                try:
+                    await self.rt.nc.publish(subjects.DECISIONS, d.model_copy(update={"refresh": True}).encode())
+                except Exception as exc:
+                    log.debug("refresh not sent: %s", exc)
+
+    # --- rules ------------------------------------------------------------------------------------
+    def _stamp(self) -> str:
+        try:
+            return hashlib.sha256(self.rules_path.read_bytes()).hexdigest()
+        except OSError:
+            return ""
+
+    def reload(self) -> tuple[bool, str]:
+        """Load the rules file; (ok, message). A bad file changes nothing."""
+        self._rules_stamp = self._stamp()
+        try:
+            rules, version = parse_rules(self.rules_path.read_text(), str(self.rules_path))
+        except (RulesError, OSError) as exc:
+            RELOADS.labels("rejected").inc()
+            message = f"rules rejected, keeping version {self.core.rules_version}: {exc}"
+            log.error("%s", message)
+            decision_log.info("%s", json.dumps({"at": round(time.time(), 3), "event": "rules_rejected",
+                                                "error": str(exc), "kept": self.core.rules_version}))
+            return False, message
+        RELOADS.labels("loaded").inc()
+        if version != self.core.rules_version:
+            self.core.set_rules(rules, version, time.time())
+            log.info("rules %s loaded from %s (%d rules)", version, self.rules_path, len(rules.rules))
+        return True, f"rules {version} active"
+
+    async def _rules_loop(self) -> None:
+        while True:
+            await asyncio.sleep(RULES_POLL_S)
+            if self._stamp() != self._rules_stamp:
+                self.reload()
+                await self._publish(self.core.evaluate(time.time()))
+
+    # --- admin --------------------------------------------------------------------------------------
+    async def on_admin(self, msg: Msg) -> None:
+        try:
+            req = ArbitratorAdminRequest.decode(msg.data)
+        except MessageError as exc:
+            reply = ArbitratorAdminReply(ok=False, error=str(exc))
+        else:
+            reply = await self.admin(req)
+        if msg.reply:
+            await msg.respond(reply.encode())
+
+    async def admin(self, req: ArbitratorAdminRequest) -> ArbitratorAdminReply:
+        ok, error = True, ""
+        if req.op == "reload":
+            ok, message = self.reload()
+            error = "" if ok else message
+            await self._publish(self.core.evaluate(time.time()))
+        elif req.op == "set_routing_mode":
+            if req.routing_mode and req.routing_mode not in ROUTING_MODES:
+                return ArbitratorAdminReply(ok=False, error=f"unknown routing mode {req.routing_mode!r}; "
+                                                            f"one of {', '.join(ROUTING_MODES)}")
+            await self._publish(self.core.set_routing_mode(req.routing_mode, time.time()))
+        samples = sorted(self.latencies)
+
+        def pct(q: float) -> float:
+            return round(1000 * samples[min(len(samples) - 1, int(q * len(samples)))], 3) if samples else 0.0
+        return ArbitratorAdminReply(
+            ok=ok, error=error, rules_version=self.core.rules_version, rules_source=str(self.rules_path),
+            current=[d for d, _ in self.core.current.values()], decision_latency_p50_ms=pct(0.5),
+            decision_latency_p99_ms=pct(0.99), decision_latency_samples=len(samples),
+            activation_latencies_s=dict(self.core.activation_latencies), stale=self.core.stale)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
