@@ -1,5 +1,5 @@
 """`kite` command line: `kite run` starts the local stack (what `make run` calls); `kite pool ...` administers
-the ru-pool (stats, clear, pin/unpin, purge; see `kite pool --help`)."""
+the ru-pool (stats, clear, pin/unpin, evict, purge; see `kite pool --help`)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--grpc-port", type=int, default=50051)
     run.add_argument("--workers", type=int, default=1)
     run.set_defaults(func=_run)
-    sub.add_parser("pool", help="ru-pool administration (stats, clear, pin, unpin, purge)", add_help=False)
+    sub.add_parser("pool", help="ru-pool administration (stats, clear, pin, unpin, evict, purge)",
+                   add_help=False)
     sub.add_parser("keys", help="API keys: `kite keys new TENANT`, `kite keys hash [KEY]`", add_help=False)
     sub.add_parser("bench", help="benchmark KITE against peers (see docs/benchmarks.md)", add_help=False)
     args = parser.parse_args(argv)

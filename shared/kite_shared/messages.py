@@ -363,14 +363,16 @@ class PoolAdminRequest(Message):
     """-> ru-pool (subjects.POOL_ADMIN). ops: stats (with `tenant`: also that tenant's usage), clear
     (all, one model_fingerprint, one tenant, or a model's blocks of one tenant), pin / unpin
     (model_fingerprint + block_hashes: never evicted, archived or expired until unpinned; with `tenant`
-    for a tenant's blocks, default anonymous), purge (delete every block of model_fingerprint from
-    every tier and refuse it from now on)."""
+    for a tenant's blocks, default anonymous), evict (model_fingerprint + block_hashes: delete those
+    blocks from hot, warm, cold and the index, pins included, so the next request computes them; same
+    `tenant` rule as pin), purge (delete every block of model_fingerprint from every tier and refuse it
+    from now on)."""
 
     KIND: ClassVar[str] = "pool_admin_request"
-    op: Literal["stats", "clear", "pin", "unpin", "purge"]
+    op: Literal["stats", "clear", "pin", "unpin", "evict", "purge"]
     model_fingerprint: str = ""
     block_hashes: list[bytes] = Field(default_factory=list)
-    tenant: str = ""  # tenant name; "" = every tenant (stats, clear) or anonymous (pin, unpin)
+    tenant: str = ""  # tenant name; "" = every tenant (stats, clear) or anonymous (pin, unpin, evict)
 
 
 class TierStats(BaseModel):
@@ -398,7 +400,7 @@ class TenantUsage(BaseModel):
 class PoolAdminReply(Message):
     KIND: ClassVar[str] = "pool_admin_reply"
     ok: bool
-    affected: int = 0  # blocks cleared, pinned, unpinned or purged
+    affected: int = 0  # blocks cleared, pinned, unpinned, evicted (those the index held) or purged
     tiers: dict[str, TierStats] = Field(default_factory=dict)  # "hot", "warm", "cold" (op stats)
     # op stats: per tenant tag (kite_shared.security.tenant_tag); only the asked tenant when one was named
     tenants: dict[str, TenantUsage] = Field(default_factory=dict)

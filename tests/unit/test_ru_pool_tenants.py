@@ -157,3 +157,28 @@ def test_forget_tag_and_invalidation_settle_the_ledgers():
     c.note_stored(key(3, BETA, fp=FP2), WARM, 10, now=1.0)
     c.forget_tag(key(1).model_tag)
     assert usage(c, ACME) == (0, 0) and usage(c, BETA) == (1, 10)
+
+
+def test_evict_forgets_blocks_pins_and_their_bytes_for_their_owner_only():
+    c = core(tenant_quota_bytes=1000)
+    for i in (1, 2, 3):
+        put(c, key(i), 100, now=float(i), tiers=WARM | COLD)
+    c.put_hot(key(1), b"x" * 100, now=4.0)
+    put(c, key(9, BETA), 50, now=1.0)
+    c.pin(FP, [key(1).block_hash], ACME)
+    unknown = bytes([7]) * 32  # never stored: still named, so storage is checked for it too
+    keys, held = c.evict(FP, [key(1).block_hash, key(2).block_hash, unknown], ACME)
+    assert held == 2 and c.counters.evicted == 2
+    assert keys == [key(1), key(2), BlockKey.of(FP, unknown, ACME)]
+    assert not c.is_pinned(key(1)) and not c.hot.is_pinned(key(1)) and c.hot.peek(key(1)) is None
+    assert c.tiers_of(key(1)) == c.tiers_of(key(2)) == 0
+    assert c.lookup(FP, [key(1).block_hash]).pool == 0
+    assert c.lookup(FP, [key(3).block_hash]).pool == 1
+    assert usage(c, ACME) == (1, 100)  # key(3) only
+    assert usage(c, BETA) == (1, 50)
+    # The ledger stays exact afterwards: the quota counts only what is left.
+    for i in (4, 5, 6, 7, 8, 10, 11, 12):
+        assert put(c, key(i), 100, now=10.0 + i) == []
+    assert usage(c, ACME) == (9, 900)
+    # An evicted block stored again is a new put, not a duplicate.
+    assert c.admit_put(key(1)) == "store"

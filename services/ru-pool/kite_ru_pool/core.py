@@ -167,6 +167,7 @@ class Counters:
     worker_event_gaps: int = 0
     purged: int = 0
     warm_writes_dropped: int = 0
+    evicted: int = 0  # blocks the index held that an admin evict removed
 
 
 class PoolCore:
@@ -506,6 +507,27 @@ class PoolCore:
             self._pins.discard((key.model_tag, key.block_hash))
             self.hot.unpin(key)
         return keys
+
+    def evict(self, model_fingerprint: str, chain: Iterable[bytes],
+              tenant_tag: str = ANONYMOUS_TENANT_TAG) -> tuple[list[BlockKey], int]:
+        """Forget these blocks (an admin evict): index, hot, pins and tenant accounting. Returns their
+        storage keys, which the caller deletes from every remote tier whatever the index believed (a
+        rebuild may not have reached them yet), and how many of them the index held.
+
+        Worker-local caches are not touched: a worker that still holds a block keeps reporting it."""
+        keys = self._keys_of(model_fingerprint, chain, tenant_tag)
+        held = 0
+        for key in keys:
+            self._pins.discard((key.model_tag, key.block_hash))
+            self.hot.unpin(key)
+            e = self.entry(key)
+            if e is None:
+                self.hot.delete(key)
+                continue
+            held += 1
+            self._drop(key.model_tag, key.block_hash, e)
+        self.counters.evicted += held
+        return keys, held
 
     # --- models -----------------------------------------------------------------------------------
     def is_invalidated(self, model_fingerprint: str) -> bool:

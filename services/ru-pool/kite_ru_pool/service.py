@@ -685,7 +685,7 @@ class PoolService:
         tenant_tag = security.tenant_tag(req.tenant) if req.tenant else None
         if req.op == "stats":
             return self.stats(tenant_tag)
-        if req.op in ("pin", "unpin", "purge") and not req.model_fingerprint:
+        if req.op in ("pin", "unpin", "evict", "purge") and not req.model_fingerprint:
             return PoolAdminReply(ok=False, error=ErrorInfo(
                 code="bad_request", message=f"{req.op} needs model_fingerprint", param="model_fingerprint"))
         if req.op == "clear":
@@ -704,6 +704,8 @@ class PoolService:
             self.core.invalidate_tag(tag)
             await self._purge_pending()
             return PoolAdminReply(ok=True, affected=affected)
+        if req.op == "evict":
+            return await self._evict(req, tenant_tag or security.ANONYMOUS_TENANT_TAG)
         if req.op == "pin":
             keys = self.core.pin(req.model_fingerprint, req.block_hashes,
                                  tenant_tag or security.ANONYMOUS_TENANT_TAG)
@@ -720,6 +722,26 @@ class PoolService:
                     self.core.note_renewed(key, self.clock())
             affected += bool(self.core.tiers_of(key))
         return PoolAdminReply(ok=True, affected=affected)
+
+    async def _evict(self, req: PoolAdminRequest, tenant_tag: str) -> PoolAdminReply:
+        """Forget the blocks in the core (index, hot, pins, tenant ledger), then delete them from warm
+        and cold whatever the index believed (a rebuild may not have indexed them yet; a write-through
+        in flight deletes what it writes). `affected` counts the blocks the index held."""
+        keys, held = self.core.evict(req.model_fingerprint, req.block_hashes, tenant_tag)
+        self._dropped_while_writing.update(key for key in keys if key in self._writing)
+        down = []
+        for tier in self.tiers.tiers:
+            await tier.delete_many(keys)  # one round trip per tier; missing keys are no error
+            if not tier.up:
+                down.append(tier.name)
+        if down:  # a down tier keeps its copies until its TTL, a later evict, or a rebuild indexes them
+            log.warning("evict of %d blocks: %s down, its copies were not deleted", len(keys),
+                        ", ".join(down))
+            return PoolAdminReply(ok=False, affected=held, error=ErrorInfo(
+                code="tier_unavailable", message=f"tier(s) down, copies left there: {', '.join(down)}"))
+        log.info("evicted %d blocks (%d indexed) of model %s", len(keys), held,
+                 model_tag(req.model_fingerprint))
+        return PoolAdminReply(ok=True, affected=held)
 
     async def _pin_storage(self, model_fingerprint: str, key: BlockKey, block_hash: bytes) -> int:
         """Make a pinned block survive restarts and expiry: keep it in warm without TTL (and hot)."""
