@@ -160,6 +160,9 @@ class TokenizedRequest(Message):
     # the worker primes its detokenizer and stop-string matcher with them, so text continues seamlessly.
     num_resumed_tokens: int = Field(default=0, ge=0)
     session_id: str = ""  # the client's session id (routing affinity), informative for the worker
+    # Leading blocks of block_hashes the ru-pool held when the router looked them up (-1: it did not look):
+    # the worker then need not ask again before deciding what to load.
+    pool_blocks: int = Field(default=-1, ge=-1)
 
 
 class Admission(Message):

@@ -25,8 +25,9 @@ def chain(tokens: list[int]) -> list[BlockHash]:
 
 
 def test_params_survive_their_wire_form():
-    p = params(max_save_blocks=3)
+    p = params(max_save_blocks=3, pool_blocks=2)
     assert RequestParams.decode(p.encode()) == p
+    assert RequestParams.decode({"load": True}).pool_blocks == -1  # an older front end: unknown
     assert RequestParams.decode(None) is None
 
 
@@ -40,6 +41,18 @@ def test_wanted_starts_after_the_local_hit_and_never_covers_the_last_prompt_toke
     short = list(range(8))  # exactly 2 blocks: only the first may be reused, the last token is computed
     planner.track("s", params(), short)
     assert planner.wanted("s", 0) == chain(short)[:1]
+
+
+def test_wanted_stops_where_the_pool_held_blocks_at_admission():
+    planner = KVPlanner(B, ROOT)
+    planner.track("r", params(pool_blocks=3), PROMPT)
+    assert planner.wanted("r", num_local_tokens=0) == chain(PROMPT)[:3]
+    assert planner.wanted("r", num_local_tokens=4) == chain(PROMPT)[1:3]
+    # vLLM holds as much as the pool: nothing to ask the pool for (the common shared-prefix miss)
+    planner.track("q", params(pool_blocks=1), PROMPT)
+    assert planner.wanted("q", num_local_tokens=4) == []
+    planner.track("e", params(pool_blocks=0), PROMPT)
+    assert planner.wanted("e", 0) == []
 
 
 def test_a_load_is_copied_into_the_allocated_blocks_and_those_blocks_are_never_saved():

@@ -73,7 +73,7 @@ class ScriptedLLM:
                 SimpleNamespace(token_ids=ids, text=text, finish_reason=finish, stop_reason=None)])
 
 
-def make_scheduler(llm, reuse: bool = True, max_queued: int = 4):
+def make_scheduler(llm, reuse: bool = True, max_queued: int = 4, pool_blocks=None):
     options = VllmOptions(reuse=reuse, pool_read=True, pool_write=True, cache_generated=True, kv_cache_gib=1.0,
                           enforce_eager=True, max_num_seqs=2, staging_dir=None)
     engine = SimpleNamespace(
@@ -83,7 +83,7 @@ def make_scheduler(llm, reuse: bool = True, max_queued: int = 4):
         num_prompt_tokens_reused=0, num_prompt_tokens_computed=0,
         prefill_seconds_per_token=0.003, decode_seconds_per_token=0.0)
     events = []
-    return VllmScheduler(engine, max_queued, emit=lambda subject, m: events.append(m)), events
+    return VllmScheduler(engine, max_queued, emit=lambda subject, m: events.append(m), pool_blocks=pool_blocks), events
 
 
 def request(request_id: str = "r", prompt=tuple(range(10, 19)), reuse: bool = True, **sampling) -> TokenizedRequest:
@@ -168,3 +168,24 @@ async def test_backlog_counts_only_what_vllm_is_expected_to_compute():
     scheduler.reserve(request("a"))  # 9 tokens, nothing seen before: all computed
     scheduler.reserve(request("b"))  # same prompt: its 2 full blocks are expected to be hits
     assert scheduler.load_snapshot() == (0, 9 + 1)
+
+
+async def test_the_pools_holding_is_asked_on_the_front_end_and_handed_to_the_connector():
+    asked = []
+
+    async def pool_blocks(req: TokenizedRequest) -> int:
+        asked.append(req.request_id)
+        return 1
+
+    llm = ScriptedLLM([([5], "x", "length")])
+    scheduler, _ = make_scheduler(llm, pool_blocks=pool_blocks)
+    await serve(scheduler, request("a"))
+    assert asked == ["a"]
+    assert llm.calls[0][1].extra_args["kv_transfer_params"][PARAMS_KEY]["pool_blocks"] == 1
+    # The same prompt again: vLLM is expected to hold both reusable blocks, so the pool is not asked and
+    # the connector is told it was not (-1: it asks only if vLLM's cache lost them after all).
+    await serve(scheduler, request("b"))
+    assert asked == ["a"]
+    assert llm.calls[1][1].extra_args["kv_transfer_params"][PARAMS_KEY]["pool_blocks"] == -1
+    await serve(scheduler, request("c", reuse=False))  # no reuse: neither asked nor passed
+    assert asked == ["a"] and llm.calls[2][1].extra_args is None

@@ -143,7 +143,9 @@ class Router:
                        headers: dict | None = None) -> Admission:
         """Send `request` to the chosen worker (or the queue group) and return its admission."""
         now = time.monotonic()
-        worker_id, reason = await self._choose(request, session_id, now)
+        worker_id, reason, pool_blocks = await self._choose(request, session_id, now)
+        if pool_blocks >= 0:
+            request = request.model_copy(update={"pool_blocks": pool_blocks})
         if worker_id:
             admission = await self._ask(subjects.worker_generate(worker_id), request, headers)
             if admission is None:  # nobody on its subject: it died or went to standby
@@ -161,18 +163,19 @@ class Router:
             self._accepted(admission.worker_id, request, session_id, now)
         return admission
 
-    async def _choose(self, request: TokenizedRequest, session_id: str, now: float) -> tuple[str, str]:
+    async def _choose(self, request: TokenizedRequest, session_id: str, now: float) -> tuple[str, str, int]:
+        """(worker id or "" for the queue group, reason, the pool's leading blocks or -1 if not looked up)."""
         if self.mode == "queue_group":
-            return "", "queue_group"
+            return "", "queue_group", -1
         candidates = self.live.candidates(now)
         if not candidates:
-            return "", "queue_group"
+            return "", "queue_group", -1
         session_worker = ""
         if session_id:
             bound = self._sessions.get(session_id)
             if bound is not None and bound[1] > now and any(c.worker_id == bound[0] for c in candidates):
                 session_worker = bound[0]
-        local_blocks, pool_blocks = None, 0
+        local_blocks, pool_blocks, looked_up = None, 0, False
         if self.mode == "cache_aware" and not session_worker and len(candidates) > 1:
             if not request.block_hashes or not request.reuse:
                 local_blocks = {}
@@ -180,16 +183,17 @@ class Router:
                 reply = await self.pool.lookup(request.model_fingerprint, request.block_hashes,
                                                include_workers=True, timeout_s=self.cfg.router_lookup_timeout_s)
                 if reply is not None and not reply.invalidated:
-                    local_blocks, pool_blocks = dict(reply.workers), reply.pool
+                    local_blocks, pool_blocks, looked_up = dict(reply.workers), reply.pool, True
         self._rr += 1
         choice = choose(candidates, RouteRequest(prompt_tokens=len(request.prompt_token_ids),
                                                  block_size=request.block_size, session_worker=session_worker,
                                                  local_blocks=local_blocks, pool_blocks=pool_blocks),
                         self.knobs, self.mode, rr_counter=self._rr)
+        pool_known = pool_blocks if looked_up else -1
         if choice is None:
-            return "", "queue_group"
+            return "", "queue_group", pool_known
         log.debug("route %s -> %s (%s) costs=%s", request.request_id, choice.worker_id, choice.reason, choice.costs)
-        return choice.worker_id, choice.reason
+        return choice.worker_id, choice.reason, pool_known
 
     def _accepted(self, worker_id: str, request: TokenizedRequest, session_id: str, now: float) -> None:
         self.live.sent(worker_id, len(request.prompt_token_ids), time.time())

@@ -4,7 +4,10 @@ vLLM loads it from `kv_transfer_config` (`kv_connector_module_path="kite_worker.
 two instances:
 - role SCHEDULER, in the engine-core process: for each new request, after vLLM's own prefix-cache hit,
   asks the ru-pool (through `KVAgent`) for the following blocks and reports how many tokens they cover
-  (`get_num_new_matched_tokens`); each step, tells the model runner which paged blocks to fill from
+  (`get_num_new_matched_tokens`). That call blocks vLLM's scheduler loop, so it is made only for blocks
+  the pool is known to hold: the worker's front end looked them up before submitting the request
+  (`RequestParams.pool_blocks`), and a prompt whose blocks past vLLM's hit the pool lacks (the common
+  shared-prefix case) costs the scheduler nothing. Each step, tells the model runner which paged blocks to fill from
   staging and which newly computed blocks to save (`build_connector_meta`, decided by `KVPlanner`), and
   hands those saves to the agent, which publishes each once the model runner's file appears (saves never
   wait for a later engine step, which an idle engine would not take).

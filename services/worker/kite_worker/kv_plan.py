@@ -13,7 +13,8 @@ Per request:
 - **load**: after vLLM's own prefix-cache hit of `num_local` tokens, the agent fetched the next
   `num_loadable` blocks from the ru-pool into staging; the connector reports them to vLLM, which allocates
   paged blocks for them, and `plan_step` emits (paged block id, hash) pairs to copy in before the forward;
-  never past `len(prompt) - 1` tokens, so the last prompt token is always computed and sampled from;
+  never past `len(prompt) - 1` tokens, so the last prompt token is always computed and sampled from,
+  nor past the blocks the pool held when the front end looked (`RequestParams.pool_blocks`);
 - **save**: every block whose KV exists here and that this worker has not saved yet (nor loaded from the
   pool) is saved once its tokens are known (with async scheduling a sampled token reaches the request a
   step later), up to `max_save_blocks` (the write policy's choice; prompt-only when generated blocks are
@@ -43,10 +44,14 @@ class RequestParams:
     save: bool  # may save computed blocks to the ru-pool
     save_generated: bool  # also blocks of generated tokens (so a chat's next turn reuses the answer)
     max_save_blocks: int = -1  # write policy: save at most this many leading blocks (-1: no limit)
+    # Leading prompt blocks the ru-pool held at admission (-1: unknown, the connector asks it): blocks past
+    # it are not asked for, so the common miss never costs vLLM's scheduler a round trip to the pool.
+    pool_blocks: int = -1
 
     def encode(self) -> dict:
         return {"cache_salt": self.cache_salt, "tenant": self.tenant, "load": self.load, "save": self.save,
-                "save_generated": self.save_generated, "max_save_blocks": self.max_save_blocks}
+                "save_generated": self.save_generated, "max_save_blocks": self.max_save_blocks,
+                "pool_blocks": self.pool_blocks}
 
     @classmethod
     def decode(cls, raw: dict | None) -> "RequestParams | None":
@@ -55,7 +60,8 @@ class RequestParams:
         return cls(cache_salt=str(raw.get("cache_salt", "")), tenant=str(raw.get("tenant", "")),
                    load=bool(raw.get("load")), save=bool(raw.get("save")),
                    save_generated=bool(raw.get("save_generated")),
-                   max_save_blocks=int(raw.get("max_save_blocks", -1)))
+                   max_save_blocks=int(raw.get("max_save_blocks", -1)),
+                   pool_blocks=int(raw.get("pool_blocks", -1)))
 
 
 @dataclass
@@ -121,10 +127,16 @@ class KVPlanner:
         return plan
 
     def wanted(self, request_id: str, num_local_tokens: int) -> list[BlockHash]:
-        """Hashes worth fetching from the pool: the reusable prompt blocks after vLLM's own hit."""
+        """Hashes worth fetching from the pool: the reusable prompt blocks after vLLM's own hit (and, when
+        the front end looked, before the end of what the pool held)."""
         plan = self.requests[request_id]
+        if not plan.params.load:
+            return []
         first = num_local_tokens // self.block_size
-        return plan.hashes[first:plan.max_reusable_blocks(self.block_size)] if plan.params.load else []
+        end = plan.max_reusable_blocks(self.block_size)
+        if plan.params.pool_blocks >= 0:
+            end = min(end, plan.params.pool_blocks)
+        return plan.hashes[first:end]
 
     def set_loadable(self, request_id: str, first_block: int, num_blocks: int) -> None:
         plan = self.requests[request_id]

@@ -95,7 +95,7 @@ class WorkerService:
         self.on_vllm = isinstance(loaded.engine, VllmEngine)
         if self.on_vllm:
             self.scheduler = VllmScheduler(loaded.engine, cfg.max_queued, emit=self._emit_from_engine,
-                                           save_limit=self._vllm_save_limit)
+                                           save_limit=self._vllm_save_limit, pool_blocks=self._pool_blocks)
         else:
             self.scheduler = Scheduler(loaded.engine, cfg.max_running, cfg.max_queued,
                                        emit=self._emit_from_engine, on_new_blocks=self._blocks_from_engine,
@@ -153,6 +153,14 @@ class WorkerService:
 
     def _vllm_save_limit(self, request: TokenizedRequest, hashes: list) -> int:
         return self.control.writes.num_leading_to_write([bytes(h) for h in hashes])
+
+    async def _pool_blocks(self, request: TokenizedRequest) -> int:
+        """Leading prompt blocks the ru-pool holds: the router's answer when it looked, else a lookup; 0
+        when the pool does not answer in time (those blocks are computed)."""
+        if request.pool_blocks >= 0:
+            return request.pool_blocks
+        reply = await self.pool.lookup(request.model_fingerprint, request.block_hashes, include_workers=False)
+        return reply.pool if reply is not None and not reply.invalidated else 0
 
     def heartbeat_fields(self) -> dict:
         self._update_metrics()

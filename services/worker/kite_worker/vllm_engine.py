@@ -8,7 +8,9 @@ caching, stop strings and sampling are vLLM's; this module only maps requests an
 
 - TokenizedRequest -> `TokensPrompt` (+ `cache_salt`: the tenant salt also partitions vLLM's own prefix
   cache) and `SamplingParams` (greedy at temperature 0, seed, top_p, stop, ignore_eos, max_tokens),
-  with KITE's per-request decisions for the connector in `kv_transfer_params["kite"]`;
+  with KITE's per-request decisions for the connector in `kv_transfer_params["kite"]`, among them how many
+  leading blocks the ru-pool holds (asked here, on this process's event loop, or taken from the router's
+  lookup), so the connector never waits on the pool inside vLLM's scheduler loop for blocks it lacks;
 - `reuse: false` also skips vLLM's prefix cache, so "reuse off" really computes everything;
 - vLLM's delta outputs -> TokenChunk events, the finishing delta -> StreamEnd (EOS is not a completion
   token, as in the reference engine); `cached_tokens` is vLLM's `num_cached_tokens` (its local hit plus
@@ -35,7 +37,7 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Awaitable, Callable
 
 from kite_shared.config import ModelConfig, WorkerConfig
 from kite_shared.fingerprint import BlockHash
@@ -50,6 +52,7 @@ log = logging.getLogger(__name__)
 
 EmitFn = Callable[[str, Message], None]
 SaveLimitFn = Callable[[TokenizedRequest, list[BlockHash]], int]  # write policy: blocks to save (-1: all)
+PoolBlocksFn = Callable[[TokenizedRequest], Awaitable[int]]  # leading prompt blocks the ru-pool holds
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class VllmSequence:
     prompt_hashes: list[BlockHash]
     reuse: bool
     expected_computed_tokens: int = 0  # prompt tokens vLLM is expected to compute (not reuse)
+    num_mirror_hits: int = 0  # leading blocks vLLM's prefix cache is expected to hold (PrefixMirror)
     backlog_at_admission: int = 0  # expected prompt tokens to compute before this one's first token
     admitted_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
@@ -207,11 +211,12 @@ def _set_cpu_environment(num_threads: int) -> None:
 
 class VllmScheduler:
     def __init__(self, engine: VllmEngine, max_queued: int, emit: EmitFn,
-                 save_limit: SaveLimitFn | None = None) -> None:
+                 save_limit: SaveLimitFn | None = None, pool_blocks: PoolBlocksFn | None = None) -> None:
         self.engine = engine
         self.max_queued = max_queued
         self._emit = emit
         self._save_limit = save_limit
+        self._pool_blocks = pool_blocks
         self._active: dict[str, VllmSequence] = {}  # reserved or generating
         self._stopped = False
         self.ttft_samples: deque[float] = deque(maxlen=1000)
@@ -257,8 +262,8 @@ class VllmScheduler:
         if len(self._active) >= self.engine.options.max_num_seqs + self.max_queued:
             raise RequestRejected("overloaded", "worker queue is full")
         seq = VllmSequence(request=request, prompt_hashes=hashes, reuse=self.engine.options.reuse and request.reuse)
-        reusable = self._mirror.leading_hits(hashes) if seq.reuse else 0
-        seq.expected_computed_tokens = len(request.prompt_token_ids) - reusable * self.engine.block_size
+        seq.num_mirror_hits = self._mirror.leading_hits(hashes) if seq.reuse else 0
+        seq.expected_computed_tokens = len(request.prompt_token_ids) - seq.num_mirror_hits * self.engine.block_size
         seq.backlog_at_admission = self.load_snapshot()[1] + seq.expected_computed_tokens
         self._mirror.add(hashes)
         self._active[seq.request_id] = seq
@@ -286,7 +291,16 @@ class VllmScheduler:
 
     # --- one request ------------------------------------------------------------------------------------
 
-    def _sampling_params(self, seq: VllmSequence):
+    async def _pool_blocks_worth_knowing(self, seq: VllmSequence) -> int:
+        """The pool's leading blocks of this prompt, asked here on the worker's event loop rather than by
+        the connector inside vLLM's scheduler loop, where a round trip would stall every running request.
+        -1 when vLLM is expected to hold every reusable block already (nothing to load: not worth asking)."""
+        max_reusable = max(0, (len(seq.request.prompt_token_ids) - 1) // self.engine.block_size)
+        if self._pool_blocks is None or seq.num_mirror_hits >= max_reusable:
+            return -1
+        return await self._pool_blocks(seq.request)
+
+    def _sampling_params(self, seq: VllmSequence, pool_blocks: int = -1):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -297,7 +311,8 @@ class VllmScheduler:
                 cache_salt=seq.request.cache_salt, tenant=seq.request.tenant,
                 load=self.engine.options.pool_read, save=self.engine.options.pool_write,
                 save_generated=self.engine.options.cache_generated,
-                max_save_blocks=self._save_limit(seq.request, seq.prompt_hashes) if self._save_limit else -1)
+                max_save_blocks=self._save_limit(seq.request, seq.prompt_hashes) if self._save_limit else -1,
+                pool_blocks=pool_blocks)
             extra = {"kv_transfer_params": {PARAMS_KEY: params.encode()}}
         return SamplingParams(
             n=1, temperature=s.temperature, top_p=s.top_p, seed=s.seed, stop=list(s.stop) or None,
@@ -316,7 +331,10 @@ class VllmScheduler:
         try:
             prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids),
                                   cache_salt=request.cache_salt or None)
-            async for out in self.engine.llm.generate(prompt, self._sampling_params(seq), request.request_id):
+            pool_blocks = (await self._pool_blocks_worth_knowing(seq)
+                           if seq.reuse and self.engine.options.pool_read else -1)
+            sampling = self._sampling_params(seq, pool_blocks)
+            async for out in self.engine.llm.generate(prompt, sampling, request.request_id):
                 if seq.first_token_at is None:
                     seq.first_token_at = time.monotonic()
                     self.ttft_samples.append(seq.first_token_at - seq.admitted_at)
