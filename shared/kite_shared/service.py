@@ -307,6 +307,9 @@ def _scrub(text: str, common: CommonConfig | None) -> str:
     return text
 
 
+_BUS_CHECK_INTERVAL_S = 0.1  # how often a drain looks whether the bus is still there
+
+
 class ServiceRuntime:
     def __init__(self, service: str, common: CommonConfig) -> None:
         self.service = service
@@ -368,8 +371,31 @@ class ServiceRuntime:
             await callback()
         for task in self._tasks:
             task.cancel()
-        if self.nc is not None and not self.nc.is_closed:
-            await self.nc.drain()
+        await self._close_connection()
+
+    async def _close_connection(self) -> None:
+        """Drain while the bus is there (replies and publishes in flight still go out); close at once
+        when it is not, or goes away meanwhile: nothing could be delivered, and nats-py's drain would sit
+        out its flush timeouts (10 s each) while a supervisor that lost the bus waits for us to exit."""
+        nc = self.nc
+        if nc is None or nc.is_closed:
+            return
+        drain = None
+        if nc.is_connected:  # (true while draining too)
+            drain = asyncio.ensure_future(nc.drain())
+            while not drain.done() and nc.is_connected:
+                await asyncio.wait({drain}, timeout=_BUS_CHECK_INTERVAL_S)
+            if drain.done():
+                drain.result()  # a drain error is a bug worth a traceback
+                return
+            log.warning("NATS went away while draining: closing without it")
+            drain.cancel()
+        if not nc.is_closed:
+            await nc.close()
+        if drain is not None:  # closing ends what the drain still waited for (its final flush)
+            await asyncio.wait({drain}, timeout=1.0)
+            if drain.done() and not drain.cancelled():
+                drain.exception()  # retrieved: the bus was gone, its error says nothing new
 
 
 def exit_on_signal_until_connected(service: str) -> None:
@@ -406,7 +432,9 @@ def terminate_children(grace_s: float = 5.0) -> None:
     SIGTERM first, SIGKILL after `grace_s`."""
     import psutil
 
-    children = psutil.Process().children(recursive=True)
+    # Python's multiprocessing resource tracker ignores SIGTERM by design and exits by itself when this
+    # process does (its pipe closes): waiting for it would only add the whole grace period.
+    children = [c for c in psutil.Process().children(recursive=True) if not _is_resource_tracker(c)]
     for child in children:
         try:
             child.terminate()
@@ -418,6 +446,15 @@ def terminate_children(grace_s: float = 5.0) -> None:
             child.kill()
         except psutil.NoSuchProcess:
             pass
+
+
+def _is_resource_tracker(proc) -> bool:
+    import psutil
+
+    try:
+        return "multiprocessing.resource_tracker" in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
 
 
 def run_service(service: str, setup: Callable[[ServiceRuntime], Awaitable[None]]) -> None:

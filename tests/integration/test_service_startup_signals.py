@@ -2,10 +2,12 @@
 saying why (kite_shared.service.exit_on_signal_until_connected): connecting retries for ever (a wrong
 password, no server yet), and Kubernetes or compose must not have to wait out the grace period and
 SIGKILL it. The graceful drain after startup is tested with the running services (test_ru_pool_process,
-test_faults, test_nats_credentials)."""
+test_faults, test_nats_credentials); here, its end: a service whose bus is gone (its nats-server stopped
+with the launcher that died) stops at once instead of sitting out nats-py's drain and flush timeouts."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -16,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from kite_cli.local_servers import free_port, start_nats
+from kite_shared.config import CommonConfig, load
+from kite_shared.service import ServiceRuntime
 
 PASSWORD = "pw-Startup-4c1d9e07"
 WRONG_PASSWORD = "pw-Wrong-8a2f6b13"
@@ -108,3 +112,50 @@ def test_sigterm_while_loading_before_run_service(tmp_path):
     log = signal_when_started([sys.executable, "-c", code], service_env("nats://127.0.0.1:1"),
                               tmp_path / "loader.log", "loading", 0.5)
     assert "worker stopping before NATS connected (SIGTERM): nothing to drain" in log
+
+
+def test_sigterm_after_the_bus_went_away_stops_at_once(tmp_path):
+    server = start_nats(port=free_port(), log_file=tmp_path / "nats.log")
+    log_path = tmp_path / "ru-pool.log"
+    with log_path.open("wb") as err:
+        proc = subprocess.Popen(RU_POOL, env=service_env(server.url), stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        wait_for_log(log_path, "ru-pool ready", proc)
+        server.stop()
+        wait_for_log(log_path, "NATS disconnected", proc)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(3)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        server.stop()
+    log = log_path.read_text(errors="replace")
+    assert rc == 0 and "ru-pool stopped" in log, log[-3000:]
+
+
+async def test_a_drain_stops_waiting_when_the_bus_goes_away(tmp_path):
+    server = start_nats(port=free_port(), log_file=tmp_path / "nats.log")
+    runtime = ServiceRuntime("test", load(CommonConfig, nats_url=server.url))
+    try:
+        await runtime.start()
+        handling = asyncio.Event()
+
+        async def slow_handler(msg) -> None:
+            handling.set()
+            await asyncio.sleep(30)
+
+        await runtime.nc.subscribe("kite.test.slow", cb=slow_handler)
+        await runtime.nc.publish("kite.test.slow", b"x")
+        await asyncio.wait_for(handling.wait(), 5)
+        shutdown = asyncio.create_task(runtime.shutdown())
+        await asyncio.sleep(0.5)
+        assert not shutdown.done()  # a drain waits for the message being handled
+        server.stop()
+        lost = time.monotonic()
+        await asyncio.wait_for(shutdown, 5)
+        assert time.monotonic() - lost < 2 and runtime.nc.is_closed
+    finally:
+        server.stop()
+        if runtime.nc is not None and not runtime.nc.is_closed:
+            await runtime.nc.close()

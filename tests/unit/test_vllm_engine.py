@@ -189,3 +189,23 @@ async def test_the_pools_holding_is_asked_on_the_front_end_and_handed_to_the_con
     assert llm.calls[1][1].extra_args["kv_transfer_params"][PARAMS_KEY]["pool_blocks"] == -1
     await serve(scheduler, request("c", reuse=False))  # no reuse: neither asked nor passed
     assert asked == ["a"] and llm.calls[2][1].extra_args is None
+
+
+async def test_cancel_all_ends_every_stream_as_cancelled():
+    class Endless(ScriptedLLM):
+        async def generate(self, prompt, params, request_id):
+            while True:
+                await asyncio.sleep(0.01)
+                yield SimpleNamespace(num_cached_tokens=0, finished=False, outputs=[
+                    SimpleNamespace(token_ids=[5], text="a", finish_reason=None, stop_reason=None)])
+
+    scheduler, events = make_scheduler(Endless([]))
+    for request_id in ("a", "b"):
+        scheduler.enqueue(scheduler.reserve(request(request_id)))
+    scheduler.reserve(request("never-started"))
+    await asyncio.sleep(0.05)
+    scheduler.cancel_all()
+    while not scheduler.idle():
+        await asyncio.sleep(0.01)
+    ends = {e.request_id: e.finish_reason for e in events if isinstance(e, StreamEnd)}
+    assert ends == {"a": "cancelled", "b": "cancelled"}

@@ -121,6 +121,12 @@ class Scheduler:
                 self._cancelled.add(request_id)
                 self._lock.notify()
 
+    def cancel_all(self) -> None:
+        with self._lock:
+            self._cancelled.update(self._reserved)
+            self._cancelled.update(s.seq.request_id for s in (*self._waiting, *self._running))
+            self._lock.notify()
+
     def idle(self) -> bool:
         with self._lock:
             return not self._waiting and not self._running and not self._reserved

@@ -342,6 +342,8 @@ class WorkerService:
         await self.control.leave()
         await self.control.publish()
         while not self.scheduler.idle():
+            if not self.rt.nc.is_connected:  # nobody could receive what is still being generated
+                self.scheduler.cancel_all()
             await asyncio.sleep(0.05)
         while not self._events.empty():
             await asyncio.sleep(0.01)
@@ -355,4 +357,5 @@ class WorkerService:
         if self.tier_client is not None:
             await self.tier_client.close()
         if self.on_vllm:
-            await asyncio.to_thread(self.loaded.engine.shutdown)
+            engine = self.loaded.engine
+            await asyncio.to_thread(engine.shutdown if self.rt.nc.is_connected else engine.abandon)

@@ -44,6 +44,7 @@ from kite_shared.fingerprint import BlockHash
 from kite_shared.messages import (ErrorInfo, Message, StreamEnd, StreamError, TokenChunk, TokenizedRequest,
                                   Usage)
 from kite_shared.model_store import LocalModel, ModelIdentity
+from kite_shared.service import terminate_children
 from kite_worker.engine import RequestRejected, validate_request
 from kite_worker.kv_agent import ConnectorOptions, kv_events_endpoint
 from kite_worker.kv_plan import PARAMS_KEY, RequestParams
@@ -150,6 +151,12 @@ class VllmEngine:
             self.llm.shutdown()
             self.llm = None
         shutil.rmtree(self.options.staging_dir, ignore_errors=True)
+
+    def abandon(self) -> None:
+        """Stop at once, for a worker whose bus is gone (its launcher died): nothing the engine computes
+        or saves could reach anyone, and vLLM's graceful teardown takes seconds (5 s measured here)."""
+        terminate_children(grace_s=0.0)  # vLLM's engine-core and model-runner processes, SIGKILLed
+        self.shutdown()
 
 
 def remove_stale_staging(root: Path) -> list[Path]:
@@ -279,6 +286,13 @@ class VllmScheduler:
         seq = self._active.get(request_id)
         if seq is not None and seq.task is not None:
             seq.task.cancel()  # vLLM aborts a request whose generate() is cancelled
+
+    def cancel_all(self) -> None:
+        for seq in list(self._active.values()):
+            if seq.task is not None:
+                seq.task.cancel()
+            else:  # reserved, never started: nothing to stop
+                self._active.pop(seq.request_id, None)
 
     def idle(self) -> bool:
         return not self._active
