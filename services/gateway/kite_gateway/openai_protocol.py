@@ -68,7 +68,9 @@ class _SamplingBody(_Body):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1)
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    # The integers every JSON parser holds exactly (IEEE doubles): /openapi.json writes bounds as floats,
+    # which cannot say 2**63 - 1, so wider bounds would publish a range the API does not accept.
+    seed: int | None = Field(default=None, ge=-(2**53 - 1), le=2**53 - 1)
     stop: str | list[str] | None = Field(default=None, json_schema_extra={"maxItems": MAX_STOP_STRINGS})
     stream: bool = False
     stream_options: StreamOptions | None = None
