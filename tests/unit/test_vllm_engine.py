@@ -73,6 +73,16 @@ class ScriptedLLM:
                 SimpleNamespace(token_ids=ids, text=text, finish_reason=finish, stop_reason=None)])
 
 
+class Endless(ScriptedLLM):
+    """Generates until cancelled."""
+
+    async def generate(self, prompt, params, request_id):
+        while True:
+            await asyncio.sleep(0.01)
+            yield SimpleNamespace(num_cached_tokens=0, finished=False, outputs=[
+                SimpleNamespace(token_ids=[5], text="a", finish_reason=None, stop_reason=None)])
+
+
 def make_scheduler(llm, reuse: bool = True, max_queued: int = 4, pool_blocks=None):
     options = VllmOptions(reuse=reuse, pool_read=True, pool_write=True, cache_generated=True, kv_cache_gib=1.0,
                           enforce_eager=True, max_num_seqs=2, staging_dir=None)
@@ -134,13 +144,6 @@ async def test_an_engine_error_is_a_stream_error_and_frees_the_slot():
 
 
 async def test_cancel_ends_the_stream_as_cancelled():
-    class Endless(ScriptedLLM):
-        async def generate(self, prompt, params, request_id):
-            while True:
-                await asyncio.sleep(0.01)
-                yield SimpleNamespace(num_cached_tokens=0, finished=False, outputs=[
-                    SimpleNamespace(token_ids=[5], text="a", finish_reason=None, stop_reason=None)])
-
     scheduler, events = make_scheduler(Endless([]))
     seq = scheduler.reserve(request())
     scheduler.enqueue(seq)
@@ -192,13 +195,6 @@ async def test_the_pools_holding_is_asked_on_the_front_end_and_handed_to_the_con
 
 
 async def test_cancel_all_ends_every_stream_as_cancelled():
-    class Endless(ScriptedLLM):
-        async def generate(self, prompt, params, request_id):
-            while True:
-                await asyncio.sleep(0.01)
-                yield SimpleNamespace(num_cached_tokens=0, finished=False, outputs=[
-                    SimpleNamespace(token_ids=[5], text="a", finish_reason=None, stop_reason=None)])
-
     scheduler, events = make_scheduler(Endless([]))
     for request_id in ("a", "b"):
         scheduler.enqueue(scheduler.reserve(request(request_id)))
