@@ -175,7 +175,7 @@ class Router:
             bound = self._sessions.get(session_id)
             if bound is not None and bound[1] > now and any(c.worker_id == bound[0] for c in candidates):
                 session_worker = bound[0]
-        local_blocks, pool_blocks, looked_up = None, 0, False
+        local_blocks, pool_blocks = None, -1  # -1: the pool was not asked
         if self.mode == "cache_aware" and not session_worker and len(candidates) > 1:
             if not request.block_hashes or not request.reuse:
                 local_blocks = {}
@@ -183,17 +183,16 @@ class Router:
                 reply = await self.pool.lookup(request.model_fingerprint, request.block_hashes,
                                                include_workers=True, timeout_s=self.cfg.router_lookup_timeout_s)
                 if reply is not None and not reply.invalidated:
-                    local_blocks, pool_blocks, looked_up = dict(reply.workers), reply.pool, True
+                    local_blocks, pool_blocks = dict(reply.workers), reply.pool
         self._rr += 1
         choice = choose(candidates, RouteRequest(prompt_tokens=len(request.prompt_token_ids),
                                                  block_size=request.block_size, session_worker=session_worker,
-                                                 local_blocks=local_blocks, pool_blocks=pool_blocks),
+                                                 local_blocks=local_blocks, pool_blocks=max(0, pool_blocks)),
                         self.knobs, self.mode, rr_counter=self._rr)
-        pool_known = pool_blocks if looked_up else -1
         if choice is None:
-            return "", "queue_group", pool_known
+            return "", "queue_group", pool_blocks
         log.debug("route %s -> %s (%s) costs=%s", request.request_id, choice.worker_id, choice.reason, choice.costs)
-        return choice.worker_id, choice.reason, pool_known
+        return choice.worker_id, choice.reason, pool_blocks
 
     def _accepted(self, worker_id: str, request: TokenizedRequest, session_id: str, now: float) -> None:
         self.live.sent(worker_id, len(request.prompt_token_ids), time.time())

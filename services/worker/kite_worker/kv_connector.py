@@ -7,10 +7,10 @@ two instances:
   (`get_num_new_matched_tokens`). That call blocks vLLM's scheduler loop, so it is made only for blocks
   the pool is known to hold: the worker's front end looked them up before submitting the request
   (`RequestParams.pool_blocks`), and a prompt whose blocks past vLLM's hit the pool lacks (the common
-  shared-prefix case) costs the scheduler nothing. Each step, tells the model runner which paged blocks to fill from
-  staging and which newly computed blocks to save (`build_connector_meta`, decided by `KVPlanner`), and
-  hands those saves to the agent, which publishes each once the model runner's file appears (saves never
-  wait for a later engine step, which an idle engine would not take).
+  shared-prefix case) costs the scheduler nothing. Each step, it tells the model runner which paged
+  blocks to fill from staging and which newly computed blocks to save (`build_connector_meta`, decided
+  by `KVPlanner`), and hands those saves to the agent, which publishes each once the model runner's file
+  appears (saves never wait for a later engine step, which an idle engine would not take).
 - role WORKER, in the model-runner process: copies staged blocks into the paged KV before the forward
   pass (`start_load_kv`; loads are synchronous, a block is a few hundred KB), and after it copies the
   blocks to save out of the paged KV at once (the request may free them soon) and writes them to staging
