@@ -448,6 +448,45 @@ async def test_handler_enforces_the_deadline_itself(scripted):
     await scripted.wait_cancelled(scripted.requests[-1].request_id)
 
 
+class _CancelLosingGeneration:
+    """A generation whose stream loses one cancellation, as nats-py's next_msg can on Python 3.11 when a
+    message arrives in the instant the deadline's cancel does (wait_for returns the message)."""
+
+    closed = False
+
+    async def events(self):
+        lost = False
+        while True:
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                if lost:
+                    raise
+                lost = True
+            yield TokenChunk(request_id="r", seq=0, token_ids=[1], text="x")
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class _CancelLosingClient:
+    def __init__(self) -> None:
+        self.generation = _CancelLosingGeneration()
+
+    async def open(self, params):
+        return self.generation
+
+
+async def test_the_deadline_holds_when_a_cancellation_is_lost():
+    client = _CancelLosingClient()
+    context = _DeadlineContext(remaining_s=0.3)
+    with pytest.raises(_Aborted) as info:
+        await asyncio.wait_for(KiteService(client).Generate(  # type: ignore[arg-type]
+            kite_pb2.GenerateRequest(model="m", prompt="forever"), context), 5)
+    assert info.value.args[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert client.generation.closed
+
+
 async def test_client_cancel_reaches_the_workers(scripted):
     call = scripted.stub.Generate(kite_pb2.GenerateRequest(model="m", prompt="forever"), timeout=30)
     first = await call.read()

@@ -232,6 +232,10 @@ class KiteService(kite_pb2_grpc.KiteServicer):
                     raise
                 try:
                     async for event in generation.events():
+                        if deadline.expired():
+                            # Its cancellation was lost: Python 3.11's wait_for (inside nats-py's next_msg)
+                            # can return a message that arrived in the same instant and drop the cancel.
+                            raise TimeoutError
                         if isinstance(event, StreamEnd):
                             permit.settle(event.usage.prompt_tokens + event.usage.completion_tokens)
                         for response in _responses(event):
