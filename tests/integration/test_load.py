@@ -27,13 +27,15 @@ def _rss_bytes(pid: int) -> int:
     return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1)) * 1024
 
 
-async def _one(client: httpx.AsyncClient, i: int) -> dict:
+async def _one(client: httpx.AsyncClient, i: int, reuse: bool = True) -> dict:
     body = {"model": MODEL, "temperature": 0, "max_tokens": 8, "stream": True,
-            "stream_options": {"include_usage": True},
+            "stream_options": {"include_usage": True}, "kite": {"reuse": reuse},
             "messages": [{"role": "user", "content": f"Say the number {i}."}]}
-    out = {"status": 0, "done": False, "error": None, "finish_reason": None, "usage": None, "text": ""}
+    out = {"status": 0, "done": False, "error": None, "finish_reason": None, "usage": None, "text": "",
+           "worker": ""}
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         out["status"] = r.status_code
+        out["worker"] = r.headers.get("X-Kite-Worker", "")
         if r.status_code != 200:
             await r.aread()
             out["error"] = r.text
@@ -69,7 +71,7 @@ def test_two_hundred_concurrent_streams_all_complete(fresh_stack_factory):
                                                     "KITE_WORKER_NUM_THREADS": "1"})
     _wait_workers(stack, 2)
     # Warm both workers (first-request allocations are not growth), then measure.
-    asyncio.run(_burst_small(stack.http_url))
+    asyncio.run(_warm_every_worker(stack.http_url, 2))
     workers = stack.workers()
     rss_before = {w.log_path.stem: _rss_bytes(w.process.pid) for w in workers}
 
@@ -95,6 +97,15 @@ def test_two_hundred_concurrent_streams_all_complete(fresh_stack_factory):
     assert not slow, "\n".join(slow[:10])
 
 
-async def _burst_small(url: str) -> None:
+async def _warm_every_worker(url: str, num_workers: int) -> None:
+    """A few requests on each worker. Without reuse, so the router spreads them by load alone: with
+    reuse, cache-aware routing may send them all to the worker that holds the chat template's prefix,
+    and the other worker's first allocations would then count as growth."""
+    served: set[str] = set()
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        await asyncio.gather(*(_one(client, i) for i in range(8)))
+        for _ in range(5):
+            results = await asyncio.gather(*(_one(client, i, reuse=False) for i in range(8)))
+            served.update(r["worker"] for r in results if r["status"] == 200)
+            if len(served) >= num_workers:
+                return
+    raise AssertionError(f"warm-up reached only {sorted(served)}")
