@@ -12,7 +12,7 @@ import json
 from kite_shared import subjects
 from kite_shared.config import CommonConfig, load
 from kite_shared.service import connect_nats
-from kite_shared.telemetry import ArbitratorAdminReply, ArbitratorAdminRequest
+from kite_shared.messages import ArbitratorAdminReply, ArbitratorAdminRequest
 
 
 async def admin_request(nats_url: str, op: str, routing_mode: str = "", timeout_s: float = 5.0) -> ArbitratorAdminReply:

@@ -3,10 +3,13 @@
 A service entrypoint is thin:
 
     async def setup(rt: ServiceRuntime) -> None:
-        await rt.nc.subscribe(..., cb=handler)      # register handlers
+        await rt.serve(Endpoint(subject, Request.decode, core_handler, refuse=..., queue=...), ...)
+        rt.publish_every(cfg.telemetry_interval_s, subjects.telemetry("worker"), build_telemetry)
         rt.on_drain(wait_for_in_flight_work)        # optional
 
-    run_service("worker", setup, heartbeat_fields=lambda: {...})
+    run_service("worker", setup)
+
+How endpoints decode, reply, trace and count, and how periodic work survives failures: `endpoints`.
 
 On SIGTERM or SIGINT the runtime marks itself draining (heartbeats say so), runs the drain callbacks
 (which finish in-flight work), then drains the NATS connection (nats.py flushes pending publishes and
@@ -22,7 +25,6 @@ slow (a model) before run_service calls exit_on_signal_until_connected first.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import json
 import logging
 import os
@@ -35,12 +37,13 @@ from typing import Any, Awaitable, Callable
 
 import nats
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from prometheus_client import Counter
 
 from kite_shared import subjects
 from kite_shared.config import CommonConfig, ConfigError, default_instance_id, load
-from kite_shared.messages import Heartbeat, Ping, Pong, decode_or_log
+from kite_shared.endpoints import Endpoint, request_id_var, run_every, tenant_var  # noqa: F401 (re-exported)
+from kite_shared.messages import Heartbeat, Message, Ping, Pong
 from kite_shared.security import redact_url
 from kite_shared.tracing import current_trace_id, setup_tracing
 
@@ -74,9 +77,6 @@ class JsonLogFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
-# Set by handlers for the request they are working on; every log record made meanwhile carries them.
-request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("kite_request_id", default="")
-tenant_var: contextvars.ContextVar[str] = contextvars.ContextVar("kite_tenant", default="")
 
 
 class RequestContextFilter(logging.Filter):
@@ -337,28 +337,34 @@ class ServiceRuntime:
         log.info("connecting to NATS %s", redact_url(self.common.nats_url))
         self.nc = await connect_nats(self.common.nats_url, self.instance_id, self.common,
                                      error_log=self.nats_errors)
-        await self.nc.subscribe(subjects.ping(self.service), queue=self.service, cb=self._on_ping)
-        self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
+        await self.serve(Endpoint(subjects.ping(self.service), Ping.decode, self._pong, queue=self.service))
+        self.every(self.common.heartbeat_interval_s, self.publish_heartbeat, "heartbeat")
+
+    async def serve(self, *endpoints: Endpoint) -> list[Subscription]:
+        """Subscribe each endpoint (see kite_shared.endpoints). nats.py's drain at shutdown unsubscribes
+        them; a service that must stop taking work earlier unsubscribes the returned subscriptions."""
+        return [await self.nc.subscribe(e.subject, queue=e.queue, cb=e.on_message) for e in endpoints]
+
+    def every(self, interval_s: float | Callable[[], float], work: Callable[[], Awaitable[None]],
+              what: str) -> asyncio.Task:
+        """Run `work` now and every `interval_s` until shutdown (after the drain callbacks, so telemetry
+        still says "draining" while in-flight work finishes)."""
+        task = asyncio.create_task(run_every(interval_s, work, what), name=what)
+        self._tasks.append(task)
+        return task
+
+    def publish_every(self, interval_s: float | Callable[[], float], subject: str,
+                      build: Callable[[], Message]) -> asyncio.Task:
+        """Publish `build()` on `subject` now and every `interval_s` (telemetry)."""
+        async def publish() -> None:
+            await self.nc.publish(subject, build().encode())
+        return self.every(interval_s, publish, f"publishing on {subject}")
 
     async def publish_heartbeat(self) -> None:
         await self.nc.publish(subjects.heartbeat(self.service), self.heartbeat().encode())
 
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            try:
-                await self.publish_heartbeat()
-            except Exception as exc:  # reconnecting: the next beat will go out
-                log.debug("heartbeat not sent: %s", exc)
-            await asyncio.sleep(self.common.heartbeat_interval_s)
-
-    async def _on_ping(self, msg: Msg) -> None:
-        if not msg.reply:
-            return
-        if decode_or_log(Ping.decode, msg.data, log, "bad ping") is None:
-            return
-        pong = Pong(service=self.service, instance_id=self.instance_id,
-                    uptime_s=time.time() - self.started_at)
-        await msg.respond(pong.encode())
+    async def _pong(self, _ping: Ping) -> Pong:
+        return Pong(service=self.service, instance_id=self.instance_id, uptime_s=time.time() - self.started_at)
 
     async def shutdown(self) -> None:
         self.draining = True
@@ -371,6 +377,7 @@ class ServiceRuntime:
             await callback()
         for task in self._tasks:
             task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._close_connection()
 
     async def _close_connection(self) -> None:

@@ -32,7 +32,7 @@ RU_POOL_QUEUE = "ru-pool"
 # every service -> anyone: messages.Heartbeat, one subject per service kind
 HEARTBEAT_WILDCARD = f"{PREFIX}.heartbeat.>"
 
-# telemetry and decisions (arbitrator); schemas in kite_shared.telemetry
+# telemetry and decisions (arbitrator); schemas in kite_shared.messages.control
 TELEMETRY_WILDCARD = f"{PREFIX}.telemetry.>"
 # arbitrator -> everyone (no queue group): telemetry.Decision, applied by the service(s) it names
 DECISIONS = f"{PREFIX}.arbitrator.decisions"
@@ -85,7 +85,7 @@ POOL_LOOKUP = f"{PREFIX}.pool.lookup"
 POOL_GET = f"{PREFIX}.pool.get"
 # admin tools -> ru-pool, request/reply: messages.PoolAdminRequest -> messages.PoolAdminReply
 POOL_ADMIN = f"{PREFIX}.pool.admin"
-# worker -> ru-pool: messages.BlockStored / messages.BlockRemoved (decode with decode_block_event)
+# worker -> ru-pool: messages.BlockStored / messages.BlockRemoved (decode with BLOCK_EVENT)
 POOL_BLOCK_EVENTS = f"{PREFIX}.pool.block_events"
 # fingerprinter -> everyone (no queue group at the receivers): messages.ModelFingerprintChanged
 MODEL_FINGERPRINT = f"{PREFIX}.model.fingerprint"

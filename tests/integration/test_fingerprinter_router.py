@@ -11,7 +11,7 @@ from kite_fingerprinter.router import Router
 from kite_shared import subjects
 from kite_shared.config import FingerprinterConfig, load
 from kite_shared.messages import Admission, PoolLookupReply, SamplingParams, TokenizedRequest
-from kite_shared.telemetry import WorkerTelemetry
+from kite_shared.messages import WorkerTelemetry
 
 
 def tokenized(request_id: str) -> TokenizedRequest:

@@ -8,8 +8,8 @@ import pytest
 
 from kite_arbitrator.core import ArbitratorCore
 from kite_arbitrator.rules import DEFAULT_RULES_PATH, RulesError, load_rules, parse_rules
-from kite_shared.telemetry import (Decision, GatewayTelemetry, PoolTelemetry, WorkerTelemetry,
-                                   decode_telemetry)
+from kite_shared.messages import (Decision, GatewayTelemetry, PoolTelemetry, WorkerTelemetry,
+                                   TELEMETRY)
 
 RULES = """
 version: 1
@@ -169,7 +169,7 @@ def test_fleet_signals_include_gateway_and_pool():
 
 def test_telemetry_round_trip():
     t = wt("w1", queue_depth=2, ttft_p99_s=0.5, standby=True)
-    assert decode_telemetry(t.encode()) == t
+    assert TELEMETRY.decode(t.encode()) == t
 
 
 # --- rules files ------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from kite_gateway.control import AdmissionGate, RequestStats
 from kite_gateway.errors import ApiError
 from kite_shared import subjects
 from kite_shared.messages import GenerateRequest, Heartbeat, SamplingParams
-from kite_shared.telemetry import Decision, WorkerTelemetry
+from kite_shared.messages import Decision, WorkerTelemetry
 from kite_worker.control import WritePolicyFilter
 
 

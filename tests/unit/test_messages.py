@@ -9,7 +9,7 @@ import pytest
 
 from kite_shared.messages import (SCHEMA_VERSION, Admission, ErrorInfo, GenerateRequest, Heartbeat,
                                   MessageError, SamplingParams, StreamEnd, TokenChunk, Usage, decode_or_log,
-                                  decode_stream_event)
+                                  STREAM_EVENT)
 
 
 def test_round_trip_and_stream_event_dispatch():
@@ -17,9 +17,9 @@ def test_round_trip_and_stream_event_dispatch():
                           stream_subject="kite.v1.stream.g.r1")
     assert GenerateRequest.decode(req.encode()) == req
     end = StreamEnd(request_id="r1", seq=3, finish_reason="stop", usage=Usage(prompt_tokens=4, completion_tokens=2))
-    assert decode_stream_event(end.encode()) == end
+    assert STREAM_EVENT.decode(end.encode()) == end
     chunk = TokenChunk(request_id="r1", seq=0, token_ids=[5], text="a")
-    assert decode_stream_event(chunk.encode()) == chunk
+    assert STREAM_EVENT.decode(chunk.encode()) == chunk
 
 
 def test_wrong_kind_version_and_garbage_are_message_errors():
@@ -35,7 +35,7 @@ def test_wrong_kind_version_and_garbage_are_message_errors():
         with pytest.raises(MessageError):
             Admission.decode(garbage)
     with pytest.raises(MessageError):
-        decode_stream_event(admission)
+        STREAM_EVENT.decode(admission)
 
 
 def test_unknown_fields_are_ignored_for_forward_compatibility():
@@ -50,7 +50,7 @@ def test_decode_or_log_returns_the_message_or_none_after_logging_at_the_given_le
     chunk = TokenChunk(request_id="r1", seq=0, token_ids=[5], text="a")
     with caplog.at_level(logging.DEBUG, logger=log.name):
         assert decode_or_log(Heartbeat.decode, beat.encode(), log, "bad heartbeat") == beat
-        assert decode_or_log(decode_stream_event, chunk.encode(), log, "bad stream event") == chunk
+        assert decode_or_log(STREAM_EVENT.decode, chunk.encode(), log, "bad stream event") == chunk
         assert caplog.records == []
         assert decode_or_log(Heartbeat.decode, chunk.encode(), log, "bad heartbeat on %s", "kite.x") is None
         assert decode_or_log(Heartbeat.decode, b"\xc1", log, "bad heartbeat", level=logging.DEBUG) is None

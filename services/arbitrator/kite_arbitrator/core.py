@@ -22,7 +22,7 @@ import os
 import statistics
 from dataclasses import dataclass, field
 
-from kite_shared.telemetry import (Decision, GatewayTelemetry, PoolTelemetry, RoutingWeights,
+from kite_shared.messages import (Decision, GatewayTelemetry, PoolTelemetry, RoutingWeights,
                                    WorkerTelemetry)
 from kite_arbitrator.rules import Rule, RuleSet
 

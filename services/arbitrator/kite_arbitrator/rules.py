@@ -28,7 +28,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kite_shared.telemetry import RoutingWeights, WritePolicy
+from kite_shared.messages import RoutingWeights, WritePolicy
 
 WORKER_SIGNALS = {
     "queue_depth": "requests admitted and waiting for a slot",

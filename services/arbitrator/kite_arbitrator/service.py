@@ -31,8 +31,8 @@ from kite_shared import subjects
 from kite_shared.config import ArbitratorConfig
 from kite_shared.messages import Heartbeat, MessageError, decode_or_log
 from kite_shared.service import ServiceRuntime
-from kite_shared.telemetry import (ROUTING_MODES, ArbitratorAdminReply, ArbitratorAdminRequest,
-                                   decode_telemetry)
+from kite_shared.messages import (ROUTING_MODES, ArbitratorAdminReply, ArbitratorAdminRequest,
+                                   TELEMETRY)
 from kite_arbitrator.core import ArbitratorCore
 from kite_arbitrator.rules import DEFAULT_RULES_PATH, RulesError, load_rules, parse_rules
 
@@ -90,7 +90,7 @@ class ArbitratorService:
 
     async def on_telemetry(self, msg: Msg) -> None:
         received = time.perf_counter()
-        telemetry = decode_or_log(decode_telemetry, msg.data, log, "bad telemetry on %s", msg.subject)
+        telemetry = decode_or_log(TELEMETRY.decode, msg.data, log, "bad telemetry on %s", msg.subject)
         if telemetry is None:
             return
         RECEIVED.labels(telemetry.KIND).inc()

@@ -28,7 +28,7 @@ from kite_shared.config import FingerprinterConfig
 from kite_shared.messages import (Admission, ErrorInfo, Heartbeat, MessageError, TokenizedRequest,
                                   decode_or_log)
 from kite_shared.routing import RouteRequest, RoutingKnobs, WorkerState, choose
-from kite_shared.telemetry import ROUTING_MODES, Decision, WorkerTelemetry
+from kite_shared.messages import ROUTING_MODES, Decision, WorkerTelemetry
 from kite_shared.tiers.pool_client import PoolClient
 
 log = logging.getLogger(__name__)

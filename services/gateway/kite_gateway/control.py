@@ -21,7 +21,7 @@ from prometheus_client import Counter
 
 from kite_shared import subjects
 from kite_shared.messages import decode_or_log
-from kite_shared.telemetry import Decision, GatewayTelemetry
+from kite_shared.messages import Decision, GatewayTelemetry
 from kite_gateway.errors import ApiError
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from prometheus_client import Counter
 
 from kite_shared.messages import (Admission, Cancel, ChatMessage, ErrorInfo, GenerateRequest, MessageError,
                                   SamplingParams, StreamEnd, StreamError, TokenChunk, Usage,
-                                  decode_stream_event)
+                                  STREAM_EVENT)
 from kite_shared.security import ANONYMOUS_TENANT
 from kite_shared.service import request_id_var
 from kite_shared.tracing import SpanKind, headers_with_context, tracer
@@ -129,7 +129,7 @@ class Generation:
                 continue
             idle_deadline = time.monotonic() + self.client.stream_idle_timeout_s
             try:
-                event = decode_stream_event(msg.data)
+                event = STREAM_EVENT.decode(msg.data)
             except MessageError as exc:
                 log.error("invalid stream event for %s: %s", self.request_id, exc)
                 raise ApiError.from_info(ErrorInfo(code="internal_error", message="invalid stream event"))

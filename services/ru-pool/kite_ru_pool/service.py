@@ -27,7 +27,7 @@ from kite_shared.config import RuPoolConfig, TierConfig
 from kite_shared.messages import (
     ErrorInfo, Heartbeat, MessageError, ModelFingerprintChanged, PoolAdminReply, PoolAdminRequest,
     PoolGetReply, PoolGetRequest, PoolLookupReply, PoolLookupRequest, TenantUsage, TierStats,
-    decode_block_event, decode_or_log, BlockStored,
+    BLOCK_EVENT, decode_or_log, BlockStored,
 )
 from kite_shared.tiers import metrics
 from kite_shared.tiers.base import RemoteTier, TierUnavailable
@@ -640,7 +640,7 @@ class PoolService:
 
     # --- events -----------------------------------------------------------------------------------
     async def _on_block_event(self, msg: Msg) -> None:
-        ev = decode_or_log(decode_block_event, msg.data, log, "bad block event")
+        ev = decode_or_log(BLOCK_EVENT.decode, msg.data, log, "bad block event")
         if ev is None:
             return
         now = self.clock()

@@ -9,7 +9,7 @@ import logging
 from prometheus_client import Histogram
 
 from kite_shared import subjects
-from kite_shared.telemetry import PoolTelemetry
+from kite_shared.messages import PoolTelemetry
 
 log = logging.getLogger(__name__)
 

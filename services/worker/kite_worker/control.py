@@ -1,6 +1,6 @@
 """The worker's control plane (issue 5): telemetry out, arbitrator decisions in, generate subscriptions.
 
-- Telemetry (`kite_shared.telemetry.WorkerTelemetry` on kite.v1.telemetry.worker) every
+- Telemetry (`kite_shared.messages.WorkerTelemetry` on kite.v1.telemetry.worker) every
   KITE_TELEMETRY_INTERVAL_S, and at once (at most every 100 ms) when queue depth, running requests or the
   standby flag change.
 - Generate subscriptions: the queue-group subject (any worker) and this worker's own subject
@@ -28,7 +28,7 @@ from nats.aio.msg import Msg
 
 from kite_shared import subjects
 from kite_shared.messages import TokenizedRequest, decode_or_log
-from kite_shared.telemetry import WRITE_POLICIES, Decision, WorkerTelemetry
+from kite_shared.messages import WRITE_POLICIES, Decision, WorkerTelemetry
 
 if TYPE_CHECKING:
     from kite_worker.service import WorkerService

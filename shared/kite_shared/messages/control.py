@@ -1,16 +1,19 @@
-"""Telemetry and arbitrator decisions: the control plane's messages, one versioned schema (issue 5).
+"""The control plane: liveness (heartbeats, pings), telemetry, arbitrator decisions and admin.
 
-Same wire rules as `messages.py` (msgpack map + "v" + "kind", validated, unknown fields ignored so a newer
-sender can add optional fields). `TELEMETRY_SCHEMA` is bumped when a field changes meaning; receivers
-ignore messages of another schema.
+    every service -> kite.v1.heartbeat.<service>      Heartbeat         every KITE_HEARTBEAT_INTERVAL_S
+    every service -> kite.v1.ping.<service>           Ping -> Pong
+    worker        -> kite.v1.telemetry.worker         WorkerTelemetry   every KITE_TELEMETRY_INTERVAL_S and
+                                                                        at once on a significant change
+    ru-pool       -> kite.v1.telemetry.ru-pool        PoolTelemetry     every KITE_TELEMETRY_INTERVAL_S
+    gateway       -> kite.v1.telemetry.gateway        GatewayTelemetry  every KITE_TELEMETRY_INTERVAL_S
+    fingerprinter -> kite.v1.telemetry.fingerprinter  FingerprinterTelemetry  every KITE_TELEMETRY_INTERVAL_S
+    arbitrator    -> kite.v1.telemetry.arbitrator     ArbitratorTelemetry     every KITE_TELEMETRY_INTERVAL_S
+    arbitrator    -> kite.v1.arbitrator.decisions     Decision          on every change (and a periodic
+                                                                        refresh of the current ones)
+    admin tools   -> kite.v1.arbitrator.admin         ArbitratorAdminRequest -> ArbitratorAdminReply
 
-    worker        -> kite.v1.telemetry.worker       WorkerTelemetry   every KITE_TELEMETRY_INTERVAL_S and
-                                                                      at once on a significant change
-    ru-pool       -> kite.v1.telemetry.ru-pool      PoolTelemetry     every KITE_TELEMETRY_INTERVAL_S
-    gateway       -> kite.v1.telemetry.gateway      GatewayTelemetry  every KITE_TELEMETRY_INTERVAL_S
-    arbitrator    -> kite.v1.arbitrator.decisions   Decision          on every change (and a periodic
-                                                                      refresh of the current ones)
-    admin tools   -> kite.v1.arbitrator.admin       ArbitratorAdminRequest -> ArbitratorAdminReply
+`TELEMETRY_SCHEMA` is bumped when a telemetry or decision field changes meaning; such messages of another
+schema fail to decode (MessageError), so receivers ignore them.
 """
 
 from __future__ import annotations
@@ -18,9 +21,41 @@ from __future__ import annotations
 import time
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kite_shared.messages import Message, MessageError, TierStats, _unpack, _validate
+from kite_shared.messages.base import Message, OneOf
+from kite_shared.messages.pool import TierStats
+
+# --- liveness ----------------------------------------------------------------------------------------
+
+
+class Heartbeat(Message):
+    """Every service, every KITE_HEARTBEAT_INTERVAL_S, on subjects.heartbeat(service)."""
+
+    KIND: ClassVar[str] = "heartbeat"
+    service: str  # one of subjects.SERVICES
+    instance_id: str
+    started_at: float  # unix seconds
+    sent_at: float  # unix seconds
+    model: str = ""  # worker and fingerprinter: the model id they serve
+    max_context_tokens: int = 0  # worker and fingerprinter: the model's context window
+    num_running: int = 0  # worker: requests generating now
+    num_queued: int = 0  # worker: requests waiting for a slot
+    draining: bool = False  # the process got SIGTERM and takes no new work
+
+
+class Ping(Message):
+    KIND: ClassVar[str] = "ping"
+
+
+class Pong(Message):
+    KIND: ClassVar[str] = "pong"
+    service: str
+    instance_id: str
+    uptime_s: float
+
+
+# --- telemetry -------------------------------------------------------------------------------------
 
 TELEMETRY_SCHEMA = 1
 
@@ -30,11 +65,19 @@ WRITE_POLICIES: tuple[str, ...] = ("write_through", "selective", "off")
 ROUTING_MODES: tuple[str, ...] = ("cache_aware", "least_loaded", "round_robin", "queue_group")
 
 
+def _this_schema(version: int) -> int:
+    if version != TELEMETRY_SCHEMA:
+        raise ValueError(f"telemetry schema {version}, this build speaks {TELEMETRY_SCHEMA}")
+    return version
+
+
 class Telemetry(Message):
     KIND: ClassVar[str] = "telemetry"
     schema_version: int = TELEMETRY_SCHEMA
     instance_id: str
     sent_at: float = Field(default_factory=time.time)  # unix seconds
+
+    _check_schema = field_validator("schema_version")(_this_schema)
 
 
 class WorkerTelemetry(Telemetry):
@@ -73,6 +116,31 @@ class PoolTelemetry(Telemetry):
     index_blocks: int = 0
 
 
+class FingerprinterTelemetry(Telemetry):
+    KIND: ClassVar[str] = "fingerprinter_telemetry"
+    request_rate: float = 0.0  # requests per second over the window
+    refused_rate: float = 0.0  # fraction of those refused (bad request, no worker, worker timeout, ...)
+    tokenize_p50_s: float = 0.0  # chat template + tokenization + hash chain, over the window
+    tokenize_p99_s: float = 0.0
+    dispatch_p50_s: float = 0.0  # routing + the chosen worker's admission reply, over the window
+    dispatch_p99_s: float = 0.0
+    # Leading prompt blocks the chosen worker held locally or the pool held / prompt blocks, over the
+    # window: the reuse the router expected (the workers' telemetry says what they really reused).
+    routed_hit_rate: float = 0.0
+    num_live_workers: int = 0  # workers the router would choose among now
+    routing_mode: str = ""  # the mode in force (KITE_ROUTER_MODE or the arbitrator's decision)
+
+
+class ArbitratorTelemetry(Telemetry):
+    KIND: ClassVar[str] = "arbitrator_telemetry"
+    rules_version: str = ""  # sha-256 prefix of the active rules file
+    num_decisions: int = 0  # decisions published over the window (refreshes not counted)
+    decision_latency_p50_ms: float = 0.0  # telemetry received -> decision published, over the window
+    decision_latency_p99_ms: float = 0.0
+    num_sources: int = 0  # service instances whose telemetry the current view holds
+    stale: bool = False  # no fresh worker telemetry: decisions fell back to the safe policy
+
+
 class GatewayTelemetry(Telemetry):
     KIND: ClassVar[str] = "gateway_telemetry"
     request_rate: float = 0.0  # API requests per second over the window
@@ -80,18 +148,10 @@ class GatewayTelemetry(Telemetry):
     rejected_rate: float = 0.0  # fraction rejected early by admission control
 
 
-_TELEMETRY_KINDS: dict[str, type[Telemetry]] = {
-    c.KIND: c for c in (WorkerTelemetry, PoolTelemetry, GatewayTelemetry)}
-
-
-def decode_telemetry(data: bytes) -> WorkerTelemetry | PoolTelemetry | GatewayTelemetry:
-    body = _unpack(data)
-    cls = _TELEMETRY_KINDS.get(body.get("kind"))
-    if cls is None:
-        raise MessageError(f"not telemetry: kind {body.get('kind')!r}")
-    if body.get("schema_version", TELEMETRY_SCHEMA) != TELEMETRY_SCHEMA:
-        raise MessageError(f"telemetry schema {body.get('schema_version')!r}, this build speaks {TELEMETRY_SCHEMA}")
-    return _validate(cls, body)  # type: ignore[return-value]
+AnyTelemetry = (WorkerTelemetry | PoolTelemetry | GatewayTelemetry | FingerprinterTelemetry
+                | ArbitratorTelemetry)
+TELEMETRY: OneOf[AnyTelemetry] = OneOf("telemetry", WorkerTelemetry, PoolTelemetry, GatewayTelemetry,
+                                       FingerprinterTelemetry, ArbitratorTelemetry)
 
 
 # --- decisions ------------------------------------------------------------------------------------
@@ -131,6 +191,8 @@ class Decision(Message):
     weights: RoutingWeights | None = None
     routing_mode: str = ""
     standby: bool | None = None
+
+    _check_schema = field_validator("schema_version")(_this_schema)
 
 
 class ArbitratorAdminRequest(Message):

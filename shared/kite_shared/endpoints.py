@@ -1,0 +1,169 @@
+"""How a KITE service answers NATS messages and runs periodic work, written once for every service.
+
+nats.py's `micro` is the model: a service declares its endpoints (subject + request type + handler + queue
+group) and the framework does the rest, the same way everywhere:
+
+    rt.serve(
+        Endpoint(subjects.POOL_LOOKUP, PoolLookupRequest.decode, pool.lookup,
+                 refuse=lambda error: PoolLookupReply(error=error), queue=subjects.RU_POOL_QUEUE,
+                 span="kite.ru_pool.lookup"),
+        Endpoint(subjects.POOL_BLOCK_EVENTS, BLOCK_EVENT.decode, pool.on_block_event),  # an event: no reply
+    )
+    rt.publish_every(cfg.telemetry_interval_s, subjects.telemetry("ru-pool"), pool.telemetry)
+
+For each message the framework
+1. continues the caller's trace (traceparent in the NATS headers) in a span named `span`, if one is named;
+2. decodes the bytes with `decode`; a MessageError is answered with `refuse(ErrorInfo("invalid_message"))`,
+   or, for an event (no `refuse`), logged and dropped: there is no one to tell;
+3. sets the request context (request id, tenant) that every log line then carries;
+4. awaits `handle(request)`, which returns the reply (or None: nothing to send). A handler refuses a request
+   by raising `Refusal(ErrorInfo)`; any other exception is a bug: logged with its traceback and answered
+   with `internal_error`, so an asker never waits out its timeout and the subscription lives on;
+5. sends the reply if the message has a reply subject, and counts the outcome and the handling time
+   (`kite_endpoint_messages_total{endpoint, outcome}`, `kite_endpoint_seconds{endpoint}`).
+
+Handlers run one message at a time per endpoint (nats.py awaits a subscription's callback before taking
+its next message), so a handler that starts long work spawns it and returns its reply first.
+
+Periodic work (`every`, `publish_every`) runs until the service shuts down. A bus that is away (NATS
+reconnecting, closed) skips a round quietly: the next one goes out. Any other exception is logged with its
+traceback (once per distinct error, so a failure every second does not flood the log) and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Generic, TypeVar
+
+import nats.errors
+from prometheus_client import Counter, Histogram
+
+from kite_shared.messages import ErrorInfo, Message, MessageError
+from kite_shared.tracing import start_span_from_headers, use_span
+
+log = logging.getLogger(__name__)
+
+Req = TypeVar("Req")
+
+# Set for the request being handled (by Endpoint, or by a handler itself); every log record made meanwhile
+# carries them (kite_shared.service.RequestContextFilter).
+request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("kite_request_id", default="")
+tenant_var: contextvars.ContextVar[str] = contextvars.ContextVar("kite_tenant", default="")
+
+ENDPOINT_MESSAGES = Counter("kite_endpoint_messages_total",
+                            "NATS messages handled by an endpoint, by outcome (ok, the refusal's error code, "
+                            "invalid_message, internal_error)", ["endpoint", "outcome"])
+ENDPOINT_SECONDS = Histogram("kite_endpoint_seconds", "Time from receiving a message to having replied",
+                             ["endpoint"], buckets=(1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5, 2.5))
+
+
+class Refusal(Exception):
+    """Raised by a handler to answer with an error instead of a result (the endpoint's `refuse` reply)."""
+
+    def __init__(self, error: ErrorInfo) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+@dataclass(frozen=True)
+class Endpoint(Generic[Req]):
+    subject: str
+    decode: Callable[[bytes], Req]  # a Message class's decode, a OneOf's decode, or bytes (raw payloads)
+    handle: Callable[[Req], Awaitable[Message | None]]
+    # The reply that carries an error (invalid message, refusal, handler bug). None for an event subject:
+    # nobody waits for an answer, so a bad message is logged and dropped.
+    refuse: Callable[[ErrorInfo], Message] | None = None
+    queue: str = ""  # queue group: each message goes to one member ("" = every subscriber gets it)
+    span: str = ""  # trace span around the handling ("" = none: high-rate events are not traced)
+    name: str = ""  # metrics label; the subject when empty
+
+    @property
+    def label(self) -> str:
+        return self.name or self.subject
+
+    async def answer(self, data: bytes, headers: dict[str, str] | None = None) -> Message | None:
+        """The reply to one message (None when there is nothing to send). Never raises but for
+        cancellation: every failure becomes an error reply or a log line."""
+        started = time.perf_counter()
+        if self.span:
+            with use_span(start_span_from_headers(self.span, headers)) as span:
+                try:
+                    reply, outcome = await self._answer(data)
+                finally:
+                    span.end()
+        else:
+            reply, outcome = await self._answer(data)
+        ENDPOINT_MESSAGES.labels(self.label, outcome).inc()
+        ENDPOINT_SECONDS.labels(self.label).observe(time.perf_counter() - started)
+        return reply
+
+    async def _answer(self, data: bytes) -> tuple[Message | None, str]:
+        try:
+            request = self.decode(data)
+        except MessageError as exc:
+            if self.refuse is None:
+                log.warning("dropped a bad message on %s: %s", self.subject, exc)
+                return None, "invalid_message"
+            return self.refuse(ErrorInfo(code="invalid_message", message=str(exc))), "invalid_message"
+        _set_request_context(request)
+        try:
+            return await self.handle(request), "ok"
+        except Refusal as exc:
+            if self.refuse is None:
+                log.warning("refused an event on %s: %s", self.subject, exc.error.message)
+                return None, exc.error.code
+            return self.refuse(exc.error), exc.error.code
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("handler for %s failed", self.subject)
+            if self.refuse is None:
+                return None, "internal_error"
+            return self.refuse(ErrorInfo(code="internal_error",
+                                         message=f"the service failed to handle {self.label}")), "internal_error"
+
+    async def on_message(self, msg: Any) -> None:
+        """nats.py subscription callback."""
+        reply = await self.answer(msg.data, msg.headers)
+        if reply is not None and msg.reply:
+            try:
+                await msg.respond(reply.encode())
+            except nats.errors.Error as exc:  # the bus went away meanwhile: the asker times out
+                log.warning("reply on %s not sent: %r", self.subject, exc)
+
+
+def _set_request_context(request: object) -> None:
+    request_id = getattr(request, "request_id", None)
+    if isinstance(request_id, str):
+        request_id_var.set(request_id)
+    tenant = getattr(request, "tenant", None)
+    if isinstance(tenant, str) and tenant:
+        tenant_var.set(tenant)
+
+
+async def run_every(interval_s: float | Callable[[], float], work: Callable[[], Awaitable[None]],
+                    what: str) -> None:
+    """`work()` now and then every `interval_s` seconds (a number, or a function read each round, for a
+    setting that can change), until cancelled. See the module docstring for how failures are handled."""
+    last_error = ""
+    while True:
+        try:
+            await work()
+            last_error = ""
+        except asyncio.CancelledError:
+            raise
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
+                nats.errors.ConnectionDrainingError, nats.errors.OutboundBufferLimitError,
+                nats.errors.NoServersError, nats.errors.StaleConnectionError) as exc:
+            log.debug("%s skipped: NATS unavailable (%r)", what, exc)
+        except Exception as exc:
+            if repr(exc) != last_error:
+                log.exception("%s failed; trying again every round", what)
+                last_error = repr(exc)
+            else:
+                log.debug("%s failed again: %r", what, exc)
+        await asyncio.sleep(interval_s() if callable(interval_s) else interval_s)

@@ -1,0 +1,159 @@
+"""The ru-pool's messages: its index (block events from workers), lookups, gets, lifecycle and admin.
+
+Blocks themselves travel in the recyclable_unit binary format (subjects.POOL_PUT, and inside
+PoolGetReply.units); these messages are the pool's index, lookup, lifecycle and admin traffic.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kite_shared.messages.base import Message, OneOf
+from kite_shared.messages.requests import ErrorInfo
+from kite_shared.security import ANONYMOUS_TENANT
+
+
+
+class BlockStored(Message):
+    """worker -> ru-pool (subjects.POOL_BLOCK_EVENTS): blocks now held in this worker's local cache."""
+
+    KIND: ClassVar[str] = "block_stored"
+    worker_id: str
+    model_fingerprint: str
+    block_hashes: list[bytes]  # 32 bytes each; any order
+    seq: int = 0  # per worker, +1 per event (BlockStored and BlockRemoved share it); gaps are counted
+
+
+class BlockRemoved(Message):
+    """worker -> ru-pool (subjects.POOL_BLOCK_EVENTS): blocks dropped from this worker's local cache."""
+
+    KIND: ClassVar[str] = "block_removed"
+    worker_id: str
+    model_fingerprint: str = ""
+    block_hashes: list[bytes] = Field(default_factory=list)
+    all_blocks: bool = False  # the worker dropped its whole cache (restart, clear): forget all it had
+    seq: int = 0
+
+
+_BLOCK_EVENT_KINDS: dict[str, type[Message]] = {c.KIND: c for c in (BlockStored, BlockRemoved)}
+
+
+BLOCK_EVENT: OneOf[BlockStored | BlockRemoved] = OneOf("block event", BlockStored, BlockRemoved)
+
+
+
+class ModelFingerprintChanged(Message):
+    """fingerprinter -> all (subjects.MODEL_FINGERPRINT): the fingerprint now current for a model name.
+
+    Publish it at startup and whenever the weights change (e.g. an RL step). The ru-pool then never
+    serves blocks of any earlier fingerprint of that name again and purges them in the background.
+    """
+
+    KIND: ClassVar[str] = "model_fingerprint_changed"
+    model_name: str
+    model_fingerprint: str
+    previous_fingerprint: str = ""  # informative; the pool also remembers what it saw before
+
+
+class PoolLookupRequest(Message):
+    """-> ru-pool (subjects.POOL_LOOKUP): how much of this block chain is stored, and where."""
+
+    KIND: ClassVar[str] = "pool_lookup_request"
+    model_fingerprint: str
+    block_hashes: list[bytes]  # the chain from block 0
+    include_workers: bool = True
+
+
+class PoolLookupReply(Message):
+    """Longest available prefix (in blocks) per place. Each count is of leading blocks present in that
+    place itself; `pool` counts leading blocks present in any pool tier that is up, and `tiers[i]` is
+    the cheapest tier holding block i of that prefix (b"h" hot, b"w" warm, b"c" cold)."""
+
+    KIND: ClassVar[str] = "pool_lookup_reply"
+    hot: int = 0
+    warm: int = 0
+    cold: int = 0
+    pool: int = 0
+    tiers: bytes = b""
+    workers: dict[str, int] = Field(default_factory=dict)  # worker_id -> prefix in its local cache
+    invalidated: bool = False  # the fingerprint was replaced: nothing of it will be served
+    error: ErrorInfo | None = None
+
+
+class PoolGetRequest(Message):
+    """-> ru-pool (subjects.POOL_GET): the encoded units of these blocks, in order."""
+
+    KIND: ClassVar[str] = "pool_get_request"
+    model_fingerprint: str
+    block_hashes: list[bytes]
+    max_bytes: int = 0  # reply budget; 0 = what the NATS connection allows (no cap for hand-off files)
+    tenant: str = ANONYMOUS_TENANT  # whose blocks these are (part of their storage keys)
+    # The asker's kite_shared.tiers.handoff.host_id(), "" for inline bytes: when it is the pool's host and
+    # the pool has a hand-off folder, the reply names files there instead of carrying the units.
+    host_id: str = ""
+
+
+class PoolGetReply(Message):
+    """The leading blocks found, each a verified encoded recyclable unit; it stops at the first miss or
+    when the next unit would exceed the byte budget (ask again from the number received for the rest).
+    The units come inline (`units`) or, same-host, as hand-off files (`unit_files`), never both."""
+
+    KIND: ClassVar[str] = "pool_get_reply"
+    units: list[bytes] = Field(default_factory=list)
+    # Paths of same-host hand-off files, one encoded unit each, in order; the asker reads and removes them
+    # (kite_shared.tiers.handoff.take_all).
+    unit_files: list[str] = Field(default_factory=list)
+    tiers: bytes = b""  # tier each unit came from (b"h", b"w", b"c")
+    complete: bool = True  # False when the budget, not a miss, ended the reply
+    error: ErrorInfo | None = None
+
+
+class PoolAdminRequest(Message):
+    """-> ru-pool (subjects.POOL_ADMIN). ops: stats (with `tenant`: also that tenant's usage), clear
+    (all, one model_fingerprint, one tenant, or a model's blocks of one tenant), pin / unpin
+    (model_fingerprint + block_hashes: never evicted, archived or expired until unpinned; with `tenant`
+    for a tenant's blocks, default anonymous), evict (model_fingerprint + block_hashes: delete those
+    blocks from hot, warm, cold and the index, pins included, so the next request computes them; same
+    `tenant` rule as pin), purge (delete every block of model_fingerprint from every tier and refuse it
+    from now on)."""
+
+    KIND: ClassVar[str] = "pool_admin_request"
+    op: Literal["stats", "clear", "pin", "unpin", "evict", "purge"]
+    model_fingerprint: str = ""
+    block_hashes: list[bytes] = Field(default_factory=list)
+    tenant: str = ""  # tenant name; "" = every tenant (stats, clear) or anonymous (pin, unpin, evict)
+
+
+class TierStats(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    up: bool = True
+    blocks: int = 0
+    bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    hit_rate: float = 0.0  # hits / (hits + misses) over the pool's lifetime; 0 before any request
+    integrity_failures: int = 0
+
+
+class TenantUsage(BaseModel):
+    """What one tenant stores in the pool: each block counted once, whichever tiers hold it."""
+
+    model_config = ConfigDict(frozen=True)
+    blocks: int = 0
+    bytes: int = 0  # encoded unit bytes
+    quota_bytes: int = 0  # 0 = no quota
+    quota_evictions: int = 0  # blocks evicted to make room under the quota, since the pool started
+    quota_refused: int = 0  # puts refused because pinned blocks alone left no room
+
+
+class PoolAdminReply(Message):
+    KIND: ClassVar[str] = "pool_admin_reply"
+    ok: bool
+    affected: int = 0  # blocks cleared, pinned, unpinned, evicted (those the index held) or purged
+    tiers: dict[str, TierStats] = Field(default_factory=dict)  # "hot", "warm", "cold" (op stats)
+    # op stats: per tenant tag (kite_shared.security.tenant_tag); only the asked tenant when one was named
+    tenants: dict[str, TenantUsage] = Field(default_factory=dict)
+    counters: dict[str, int] = Field(default_factory=dict)  # puts, duplicates, promotions, ...
+    error: ErrorInfo | None = None

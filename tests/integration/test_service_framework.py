@@ -1,0 +1,84 @@
+"""The service framework over a real nats-server: endpoints answer request/reply with the handler's reply
+or an error reply, a queue group spreads requests over two runtimes, pings answer, periodic publishing runs
+until shutdown and stops with it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+
+from kite_shared import subjects
+from kite_shared.config import CommonConfig, load
+from kite_shared.endpoints import Endpoint, Refusal
+from kite_shared.messages import Admission, Cancel, ErrorInfo, Heartbeat, Ping, Pong
+from kite_shared.service import ServiceRuntime
+
+
+def runtime(url: str, instance: str) -> ServiceRuntime:
+    return ServiceRuntime("worker", load(CommonConfig, nats_url=url, instance_id=instance, heartbeat_interval_s=0.05))
+
+
+def test_endpoints_over_a_real_bus(nats_server):
+    async def scenario() -> None:
+        a, b = runtime(nats_server.url, "fw-a"), runtime(nats_server.url, "fw-b")
+        for rt in (a, b):
+            await rt.start()
+
+            async def handle(cancel: Cancel, rt=rt) -> Admission:
+                if cancel.request_id == "refuse":
+                    raise Refusal(ErrorInfo(code="overloaded", message="busy"))
+                if cancel.request_id == "bug":
+                    raise ZeroDivisionError
+                return Admission(accepted=True, worker_id=rt.instance_id)
+
+            await rt.serve(Endpoint("test.fw.generate", Cancel.decode, handle, queue="fw",
+                                    refuse=lambda error: Admission(accepted=False, error=error)))
+        client = await nats.connect(nats_server.url)
+        try:
+            served_by = set()
+            for i in range(40):
+                reply = Admission.decode((await client.request(
+                    "test.fw.generate", Cancel(request_id=f"r{i}").encode(), timeout=5)).data)
+                assert reply.accepted
+                served_by.add(reply.worker_id)
+            assert served_by == {"fw-a", "fw-b"}  # one queue group, both members serve
+
+            refused = Admission.decode((await client.request(
+                "test.fw.generate", Cancel(request_id="refuse").encode(), timeout=5)).data)
+            assert refused.error == ErrorInfo(code="overloaded", message="busy")
+            bug = Admission.decode((await client.request(
+                "test.fw.generate", Cancel(request_id="bug").encode(), timeout=5)).data)
+            assert bug.error.code == "internal_error"
+            bad = Admission.decode((await client.request("test.fw.generate", b"junk", timeout=5)).data)
+            assert bad.error.code == "invalid_message"
+            # still serving after all that
+            assert Admission.decode((await client.request(
+                "test.fw.generate", Cancel(request_id="after").encode(), timeout=5)).data).accepted
+
+            pong = Pong.decode((await client.request(subjects.ping("worker"), Ping().encode(), timeout=5)).data)
+            assert pong.instance_id in {"fw-a", "fw-b"}
+
+            beats = []
+
+            async def on_beat(msg) -> None:
+                beats.append(Heartbeat.decode(msg.data))
+
+            sub = await client.subscribe(subjects.heartbeat("worker"), cb=on_beat)
+            await asyncio.sleep(0.5)
+            assert {b.instance_id for b in beats} == {"fw-a", "fw-b"} and len(beats) >= 6
+            await a.shutdown()
+            await b.shutdown()
+            assert all(t.done() for t in a._tasks + b._tasks)
+            assert beats[-1].draining and beats[-2].draining  # each said so on the way out
+            after = len(beats)
+            await asyncio.sleep(0.3)
+            assert len(beats) == after  # nothing publishes after shutdown
+            await sub.unsubscribe()
+            with pytest.raises(nats.errors.NoRespondersError):
+                await client.request("test.fw.generate", Cancel(request_id="x").encode(), timeout=2)
+        finally:
+            await client.close()
+
+    asyncio.run(scenario())

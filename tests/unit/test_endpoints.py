@@ -1,0 +1,145 @@
+"""The service framework's message handling without a bus (kite_shared.endpoints): what each kind of
+message and failure is answered with, what is counted, and how periodic work survives failures. The same
+paths over a real nats-server: tests/integration/test_service_framework.py."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import nats.errors
+import pytest
+
+from kite_shared.endpoints import ENDPOINT_MESSAGES, Endpoint, Refusal, request_id_var, run_every, tenant_var
+from kite_shared.messages import Admission, Cancel, ErrorInfo, PoolAdminReply, PoolAdminRequest
+
+
+def refuse(error: ErrorInfo) -> Admission:
+    return Admission(accepted=False, error=error)
+
+
+def count(endpoint: str, outcome: str) -> float:
+    return ENDPOINT_MESSAGES.labels(endpoint, outcome)._value.get()
+
+
+async def accept(cancel: Cancel) -> Admission:
+    return Admission(accepted=True, worker_id=f"for-{cancel.request_id}")
+
+
+def test_a_decoded_request_gets_the_handlers_reply_and_is_counted_ok():
+    ep = Endpoint("t.ok", Cancel.decode, accept, refuse=refuse)
+    before = count("t.ok", "ok")
+    reply = asyncio.run(ep.answer(Cancel(request_id="r1").encode()))
+    assert reply == Admission(accepted=True, worker_id="for-r1")
+    assert count("t.ok", "ok") == before + 1
+
+
+def test_an_undecodable_message_is_refused_as_invalid_message_and_the_handler_never_runs():
+    calls = []
+
+    async def handle(cancel: Cancel) -> Admission:
+        calls.append(cancel)
+        return Admission(accepted=True)
+
+    ep = Endpoint("t.bad", Cancel.decode, handle, refuse=refuse)
+    for data in (b"\xc1 not msgpack", PoolAdminRequest(op="stats").encode()):
+        reply = asyncio.run(ep.answer(data))
+        assert reply.accepted is False and reply.error.code == "invalid_message", reply
+    assert calls == [] and count("t.bad", "invalid_message") == 2
+
+
+def test_a_refusal_is_the_refuse_reply_with_the_handlers_error():
+    async def handle(req: PoolAdminRequest) -> PoolAdminReply:
+        raise Refusal(ErrorInfo(code="bad_request", message="pin needs model_fingerprint",
+                                param="model_fingerprint"))
+
+    ep = Endpoint("t.refusal", PoolAdminRequest.decode, handle,
+                  refuse=lambda error: PoolAdminReply(ok=False, error=error))
+    reply = asyncio.run(ep.answer(PoolAdminRequest(op="pin").encode()))
+    assert reply == PoolAdminReply(ok=False, error=ErrorInfo(code="bad_request", param="model_fingerprint",
+                                                             message="pin needs model_fingerprint"))
+    assert count("t.refusal", "bad_request") == 1
+
+
+def test_a_handler_bug_is_logged_with_its_traceback_and_answered_internal_error(caplog):
+    async def handle(cancel: Cancel) -> Admission:
+        raise KeyError("a bug")
+
+    ep = Endpoint("t.bug", Cancel.decode, handle, refuse=refuse, name="bug endpoint")
+    with caplog.at_level(logging.ERROR, logger="kite_shared.endpoints"):
+        reply = asyncio.run(ep.answer(Cancel(request_id="r").encode()))
+    assert reply.error.code == "internal_error" and "bug endpoint" in reply.error.message
+    assert "a bug" not in reply.error.message  # internals stay in the log
+    assert any(r.exc_info and "KeyError" in caplog.text for r in caplog.records)
+    assert count("bug endpoint", "internal_error") == 1
+
+
+def test_an_event_endpoint_never_replies_even_when_the_message_is_bad_or_the_handler_fails(caplog):
+    seen = []
+
+    async def handle(cancel: Cancel) -> None:
+        seen.append(cancel.request_id)
+        if cancel.request_id == "boom":
+            raise RuntimeError("boom")
+
+    ep = Endpoint("t.event", Cancel.decode, handle)
+    with caplog.at_level(logging.WARNING, logger="kite_shared.endpoints"):
+        assert asyncio.run(ep.answer(b"junk")) is None
+        assert asyncio.run(ep.answer(Cancel(request_id="boom").encode())) is None
+        assert asyncio.run(ep.answer(Cancel(request_id="fine").encode())) is None
+    assert seen == ["boom", "fine"]
+    assert "dropped a bad message on t.event" in caplog.text and "handler for t.event failed" in caplog.text
+
+
+def test_the_request_context_is_set_for_the_handler():
+    async def handle(cancel: Cancel) -> Admission:
+        return Admission(accepted=True, worker_id=request_id_var.get())
+
+    async def scenario() -> Admission:
+        return await Endpoint("t.ctx", Cancel.decode, handle).answer(Cancel(request_id="req-42").encode())
+
+    assert asyncio.run(scenario()).worker_id == "req-42"
+    assert tenant_var.get() == ""  # the handler's context did not leak out
+
+
+def test_periodic_work_goes_on_after_failures_and_logs_each_distinct_bug_once(caplog):
+    rounds = []
+
+    async def work() -> None:
+        rounds.append(len(rounds))
+        if len(rounds) <= 3:
+            raise ValueError("broken stats")  # the same bug three rounds running: one traceback
+        if len(rounds) == 4:
+            raise nats.errors.ConnectionReconnectingError()  # the bus is away: no traceback at all
+
+    async def scenario() -> None:
+        task = asyncio.create_task(run_every(0.001, work, "test telemetry"))
+        while len(rounds) < 6:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with caplog.at_level(logging.DEBUG, logger="kite_shared.endpoints"):
+        asyncio.run(scenario())
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == 1 and "test telemetry failed" in tracebacks[0].getMessage()
+    assert "NATS unavailable" in caplog.text
+
+
+def test_the_interval_can_be_a_setting_read_every_round():
+    intervals = iter([0.001, 0.002, 0.003])
+    stamps = []
+
+    async def work() -> None:
+        stamps.append(asyncio.get_running_loop().time())
+
+    async def scenario() -> None:
+        task = asyncio.create_task(run_every(lambda: next(intervals, 10.0), work, "w"))
+        while len(stamps) < 4:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)
+        task.cancel()
+
+    asyncio.run(scenario())
+    assert len(stamps) == 4  # the fourth interval (10 s) had not passed
