@@ -9,13 +9,14 @@ import sys
 import threading
 from pathlib import Path
 
-from kite_cli.stack import LocalStack, StackOptions
+from kite_cli.stack import LocalStack, StackOptions, default_state_file
 
 
 def _run(args: argparse.Namespace) -> int:
     stack = LocalStack(StackOptions(http_port=args.http_port, grpc_port=args.grpc_port,
                                     num_workers=args.workers, host=args.host,
-                                    redis_data_dir=Path.home() / ".cache" / "kite" / "redis"))
+                                    redis_data_dir=Path.home() / ".cache" / "kite" / "redis",
+                                    state_file=default_state_file()))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -67,9 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kite", description="KITE command line")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="start nats-server and all five services locally")
-    run.add_argument("--host", default="127.0.0.1")
-    run.add_argument("--http-port", type=int, default=8000)
-    run.add_argument("--grpc-port", type=int, default=50051)
+    # Defaults: the gateway's settings, KITE_GATEWAY_HOST / _HTTP_PORT / _GRPC_PORT (127.0.0.1, 8000, 50051).
+    run.add_argument("--host", default=None)
+    run.add_argument("--http-port", type=int, default=None)
+    run.add_argument("--grpc-port", type=int, default=None)
     run.add_argument("--workers", type=int, default=1)
     run.set_defaults(func=_run)
     sub.add_parser("pool", help="ru-pool administration (stats, clear, pin, unpin, evict, purge)",

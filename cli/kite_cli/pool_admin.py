@@ -16,6 +16,9 @@ chat template, tokenizer, model fingerprint and block size, from the same KITE_M
 gateway derives for the tenant (`kite_shared.security.tenant_cache_salt(tenant, cache_salt)`; the tenant
 defaults to anonymous, as with auth off). `--model`, if given too, must equal the computed fingerprint.
 
+The NATS server: --nats-url, else KITE_NATS_URL when set, else the one of the stack `kite run` runs on
+this machine (it records it in ~/.cache/kite/kite-run.json while it runs), else nats://127.0.0.1:4222.
+
 Prints the pool's reply as JSON; exit status 0 on success, 1 when the pool refused, 2 when no pool
 answered (or bad arguments). Tenants appear in replies by tenant tag (kite_shared.security.tenant_tag):
 the pool never stores tenant names. NATS credentials and TLS come from the KITE_NATS_* variables, as for
@@ -30,6 +33,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from kite_cli.stack import admin_nats_url
 from kite_shared.config import CommonConfig, load
 from kite_shared.messages import ChatMessage, GenerateRequest, PoolAdminRequest, SamplingParams
 from kite_shared.security import ANONYMOUS_TENANT, tenant_cache_salt
@@ -43,7 +47,8 @@ SELECTOR_OPS = ("pin", "unpin", "evict")
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kite pool", description="Administer the ru-pool.")
-    p.add_argument("--nats-url", default=None, help="NATS URL (default: KITE_NATS_URL)")
+    p.add_argument("--nats-url", default=None, help="NATS URL (default: KITE_NATS_URL when set, else the "
+                   "running `kite run` stack's, else nats://127.0.0.1:4222)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the pool")
     sub = p.add_subparsers(dest="op", required=True)
     stats = sub.add_parser("stats", help="blocks, bytes and hit rate per tier, counters, tenant usage")
@@ -177,7 +182,8 @@ async def _quiet(exc: Exception) -> None:
     """nats.py prints a traceback per failed attempt by default; the one-line message below suffices."""
 
 
-async def _run(url: str, req: PoolAdminRequest, timeout_s: float, common: CommonConfig) -> int:
+async def _run(url: str, req: PoolAdminRequest, timeout_s: float, common: CommonConfig,
+               source: str = "") -> int:
     # Imported here, so `--help` works without the NATS client loaded.
     from kite_shared.security import redact_url
     from kite_shared.service import connect_nats
@@ -188,7 +194,10 @@ async def _run(url: str, req: PoolAdminRequest, timeout_s: float, common: Common
                                 max_reconnect_attempts=1, reconnect_time_wait=0.2,
                                 allow_reconnect=False, error_cb=_quiet)
     except Exception as exc:  # nats.py raises its own and OS errors for an unreachable server
-        print(f"kite pool: cannot reach NATS at {redact_url(url)}: {type(exc).__name__}", file=sys.stderr)
+        where = f" ({source})" if source else ""
+        print(f"kite pool: cannot reach NATS at {redact_url(url)}{where}: {type(exc).__name__}; is the stack "
+              "running? (`kite run` is found by itself; elsewhere give --nats-url or KITE_NATS_URL)",
+              file=sys.stderr)
         return 2
     try:
         reply = await PoolClient(nc).admin(req, timeout_s=timeout_s)
@@ -209,7 +218,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kite pool: {exc}", file=sys.stderr)
         return 2
     common = load(CommonConfig)
-    return asyncio.run(_run(args.nats_url or common.nats_url, req, args.timeout, common))
+    url, source = admin_nats_url(args.nats_url)
+    if "kite run" in source:
+        print(f"kite pool: NATS {url}, of {source}", file=sys.stderr)
+    return asyncio.run(_run(url, req, args.timeout, common, source))
 
 
 if __name__ == "__main__":

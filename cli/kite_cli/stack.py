@@ -1,9 +1,14 @@
 """A whole KITE stack on this machine: its own nats-server (and redis-server when installed) plus the five
 services, each a separate process. Used by `kite run` (make run), the integration tests and benchmarks.
+
+`kite run` records the stack it runs in a state file (`default_state_file()`, ~/.cache/kite/kite-run.json:
+its pid, NATS URL, HTTP URL, gRPC address, log folder), removed when it stops; the admin commands (`kite
+pool`, `python -m kite_cli.arbitrator_admin`) find the running stack's NATS there (`admin_nats_url`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kite_cli.local_servers import LocalServer, die_with_parent, find_binary, free_port, start_nats, start_redis
+from kite_shared.config import setting
 
 SERVICE_MODULES = {
     "fingerprinter": "kite_fingerprinter",
@@ -28,16 +34,19 @@ SERVICE_MODULES = {
 
 @dataclass
 class StackOptions:
-    http_port: int = 0  # 0 = a free port
-    grpc_port: int = 0
+    # 0 = a free port; None = the KITE_GATEWAY_HTTP_PORT / _GRPC_PORT / _HOST settings (`kite run`), where
+    # a gRPC port of 0 turns gRPC off, as for the gateway itself.
+    http_port: int | None = 0
+    grpc_port: int | None = 0
     num_workers: int = 1
-    host: str = "127.0.0.1"
+    host: str | None = "127.0.0.1"
     with_redis: bool = True  # start a redis-server for the warm tier when one is installed
     services: tuple[str, ...] = ("fingerprinter", "ru-pool", "arbitrator", "gateway")  # besides workers
     env: dict[str, str] = field(default_factory=dict)  # extra KITE_* settings for every service
     log_dir: Path | None = None
     metrics: bool = False  # give every non-gateway service a free KITE_METRICS_PORT
     redis_data_dir: Path | None = None  # keep the warm tier there across restarts (kite run); None: in memory
+    state_file: Path | None = None  # record the running stack there for the admin commands (kite run)
 
 
 @dataclass
@@ -48,11 +57,25 @@ class ServiceProcess:
     metrics_port: int = 0  # its Prometheus endpoint on 127.0.0.1, when StackOptions.metrics is on
 
 
+def _gateway_setting(name: str) -> int | str:
+    """A KITE_GATEWAY_* setting from this process's environment (validated by the registry)."""
+    spec = setting(name)
+    return spec.parse(os.environ.get(spec.env, spec.default))
+
+
 class LocalStack:
     def __init__(self, options: StackOptions) -> None:
         self.options = options
-        self.http_port = options.http_port or free_port()
-        self.grpc_port = options.grpc_port or free_port()
+        if options.host is None:
+            options.host = _gateway_setting("KITE_GATEWAY_HOST")
+        # A port setting of 0 asks for a free one (the stack must know it to print and probe it) ...
+        http_port = _gateway_setting("KITE_GATEWAY_HTTP_PORT") if options.http_port is None else options.http_port
+        self.http_port = http_port or free_port()
+        # ... but KITE_GATEWAY_GRPC_PORT=0 turns gRPC off.
+        if options.grpc_port is None:
+            self.grpc_port = _gateway_setting("KITE_GATEWAY_GRPC_PORT")
+        else:
+            self.grpc_port = options.grpc_port or free_port()
         self.log_dir = options.log_dir or Path(tempfile.mkdtemp(prefix="kite-stack-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.nats: LocalServer | None = None
@@ -66,7 +89,7 @@ class LocalStack:
 
     @property
     def grpc_target(self) -> str:
-        return f"{self.options.host}:{self.grpc_port}"
+        return f"{self.options.host}:{self.grpc_port}" if self.grpc_port else "off (KITE_GATEWAY_GRPC_PORT=0)"
 
     def base_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -86,6 +109,8 @@ class LocalStack:
 
     def start(self, timeout_s: float = 180.0) -> None:
         self.nats = start_nats(log_file=self.log_dir / "nats-server.log")
+        if self.options.state_file is not None:  # known now: admin commands can find it while it starts
+            write_state(self.options.state_file, self.state())
         if self.options.with_redis and "KITE_REDIS_URL" not in self.options.env \
                 and find_binary("redis-server"):
             self.redis = start_redis(log_file=self.log_dir / "redis-server.log",
@@ -186,6 +211,12 @@ class LocalStack:
         for server in (self.redis, self.nats):
             if server is not None:
                 server.stop()
+        if self.options.state_file is not None:
+            remove_state(self.options.state_file)
+
+    def state(self) -> StackState:
+        return StackState(pid=os.getpid(), nats_url=self.nats.url if self.nats else "",
+                            http_url=self.http_url, grpc_target=self.grpc_target, log_dir=str(self.log_dir))
 
     def __enter__(self) -> "LocalStack":
         try:
@@ -197,3 +228,74 @@ class LocalStack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# ------------------------------------------------------------------------ the running `kite run` stack
+def default_state_file() -> Path:
+    """Where `kite run` records the stack it runs, beside its other data (~/.cache/kite)."""
+    return Path.home() / ".cache" / "kite" / "kite-run.json"
+
+
+@dataclass(frozen=True)
+class StackState:
+    pid: int  # of the `kite run` process
+    nats_url: str
+    http_url: str
+    grpc_target: str
+    log_dir: str
+
+
+def write_state(path: Path, state: StackState) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(state.__dict__, indent=2) + "\n")
+    tmp.replace(path)  # readers see the old file or the new one, never half of one
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def read_state(path: Path | None = None) -> StackState | None:
+    """The stack recorded in `path` (default: `default_state_file()`) while its `kite run` lives; None when
+    there is none, or the file is unreadable or was left by a `kite run` that was killed."""
+    path = default_state_file() if path is None else path
+    try:
+        data = json.loads(path.read_text())
+        state = StackState(pid=int(data["pid"]), nats_url=str(data["nats_url"]),
+                             http_url=str(data["http_url"]), grpc_target=str(data["grpc_target"]),
+                             log_dir=str(data["log_dir"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return state if state.nats_url and _alive(state.pid) else None
+
+
+def remove_state(path: Path) -> None:
+    """Remove the state file if this process wrote it (a second `kite run` may have replaced it)."""
+    try:
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def admin_nats_url(explicit: str | None = None, state_file: Path | None = None,
+                   environ: dict[str, str] | None = None) -> tuple[str, str]:
+    """(NATS URL, where it came from) for an admin command: the command line's, else KITE_NATS_URL when
+    set, else the running `kite run` stack's (its state file), else the registry default."""
+    spec = setting("KITE_NATS_URL")
+    environ = os.environ if environ is None else environ
+    if explicit:
+        return explicit, "the command line"
+    if environ.get(spec.env):
+        return environ[spec.env], spec.env
+    running = read_state(state_file)
+    if running is not None:
+        return running.nats_url, f"the stack `kite run` (pid {running.pid}) runs"
+    return spec.default, f"the {spec.env} default"
