@@ -243,10 +243,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KITE_COLD_DIR", Path, "~/.cache/kite/cold", ("ru-pool", "worker"),
             "Folder of the cold tier when KITE_S3_ENDPOINT is empty; empty value is not allowed."),
     # --- telemetry, routing and the arbitrator (issue 5) -------------------------------------------
-    Setting("KITE_TELEMETRY_INTERVAL_S", float, "1.0", ("gateway", "worker", "ru-pool"),
+    Setting("KITE_TELEMETRY_INTERVAL_S", float, "1.0", ("gateway", "fingerprinter", "worker", "ru-pool",
+                                                          "arbitrator"),
             "Seconds between telemetry messages (kite.v1.telemetry.<service>); workers also publish at "
             "once on a significant change (queue depth, standby).", minimum=0.05),
-    Setting("KITE_TELEMETRY_WINDOW_S", float, "30", ("gateway", "worker"),
+    Setting("KITE_TELEMETRY_WINDOW_S", float, "30", ("gateway", "fingerprinter", "worker", "arbitrator"),
             "Window of the rates, hit rate and TTFT percentiles telemetry reports.", minimum=1),
     Setting("KITE_WORKER_STANDBY", bool, "off", WORKER,
             "Start as warm standby: model loaded, heartbeats and telemetry sent, but no generate "
@@ -476,6 +477,8 @@ class FingerprinterConfig:
     router_load_weight: float = env("KITE_ROUTER_LOAD_WEIGHT")
     router_pool_hit_weight: float = env("KITE_ROUTER_POOL_HIT_WEIGHT")
     router_session_ttl_s: float = env("KITE_ROUTER_SESSION_TTL_S")
+    telemetry_interval_s: float = env("KITE_TELEMETRY_INTERVAL_S")
+    telemetry_window_s: float = env("KITE_TELEMETRY_WINDOW_S")
 
     def __post_init__(self) -> None:
         if self.router_mode not in ("cache_aware", "least_loaded", "round_robin", "queue_group"):
@@ -563,6 +566,8 @@ class ArbitratorConfig:
     ttft_slo_s: float = env("KITE_ARBITRATOR_TTFT_SLO_S")
     eval_interval_s: float = env("KITE_ARBITRATOR_EVAL_INTERVAL_S")
     min_active_workers: int = env("KITE_ARBITRATOR_MIN_ACTIVE_WORKERS")
+    telemetry_interval_s: float = env("KITE_TELEMETRY_INTERVAL_S")
+    telemetry_window_s: float = env("KITE_TELEMETRY_WINDOW_S")
 
 
 def markdown_reference() -> str:

@@ -1,12 +1,17 @@
-"""/metrics on every service shows its kite_* metrics changing as requests flow (issue 8)."""
+"""/metrics on every service shows its kite_* metrics changing as requests flow (issue 8), and every
+service publishes telemetry that reflects the traffic (issue 13)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
+import nats
 from prometheus_client.parser import text_string_to_metric_families
 
+from kite_shared import subjects
+from kite_shared.messages import TELEMETRY
 from tests.integration.conftest import MODEL
 
 
@@ -55,6 +60,34 @@ def test_every_service_exports_metrics_that_move_with_traffic(fresh_stack_factor
             break
         time.sleep(0.5)
     assert stuck == []
+
+    telemetry = asyncio.run(latest_telemetry(stack.nats.url, seconds=2.5))
+    assert set(telemetry) == {"worker_telemetry", "pool_telemetry", "gateway_telemetry",
+                              "fingerprinter_telemetry", "arbitrator_telemetry"}, set(telemetry)
+    fingerprinter, arbitrator = telemetry["fingerprinter_telemetry"], telemetry["arbitrator_telemetry"]
+    assert fingerprinter.request_rate > 0 and fingerprinter.tokenize_p50_s > 0
+    assert fingerprinter.dispatch_p99_s >= fingerprinter.dispatch_p50_s > 0
+    assert fingerprinter.num_live_workers == 1 and fingerprinter.refused_rate == 0.0
+    assert arbitrator.rules_version and not arbitrator.stale
+    assert arbitrator.num_sources >= 4  # worker, ru-pool, gateway, fingerprinter
+    assert telemetry["gateway_telemetry"].request_rate > 0
+
+
+async def latest_telemetry(nats_url: str, seconds: float) -> dict:
+    """The last telemetry message of each kind published within `seconds`."""
+    latest = {}
+
+    async def on_message(msg) -> None:
+        message = TELEMETRY.decode(msg.data)
+        latest[message.KIND] = message
+
+    nc = await nats.connect(nats_url)
+    try:
+        await nc.subscribe(subjects.TELEMETRY_WILDCARD, cb=on_message)
+        await asyncio.sleep(seconds)
+    finally:
+        await nc.close()
+    return latest
 
 
 def test_a_client_that_leaves_a_non_streaming_request_stops_its_generation(fresh_stack_factory):

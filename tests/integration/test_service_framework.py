@@ -71,7 +71,8 @@ def test_endpoints_over_a_real_bus(nats_server):
             await a.shutdown()
             await b.shutdown()
             assert all(t.done() for t in a._tasks + b._tasks)
-            assert beats[-1].draining and beats[-2].draining  # each said so on the way out
+            last = {beat.instance_id: beat for beat in beats}
+            assert last["fw-a"].draining and last["fw-b"].draining  # each said so on the way out
             after = len(beats)
             await asyncio.sleep(0.3)
             assert len(beats) == after  # nothing publishes after shutdown

@@ -33,7 +33,8 @@ def exporter() -> InMemorySpanExporter:
 
 
 async def test_one_request_is_one_trace_across_every_service(nats_server, exporter, tmp_path, monkeypatch):
-    from kite_fingerprinter.__main__ import FingerprinterService, build_core
+    from kite_fingerprinter.__main__ import build_core
+    from kite_fingerprinter.service import FingerprinterService
     from kite_gateway.__main__ import start_gateway
     from kite_ru_pool.service import PoolService
     from kite_worker.service import WorkerService, load_engine
@@ -47,8 +48,9 @@ async def test_one_request_is_one_trace_across_every_service(nats_server, export
     pool = PoolService(load(RuPoolConfig), load(TierConfig), runtimes["ru-pool"].nc)
     await pool.start()
     model_cfg = load(ModelConfig, engine="transformers")  # in-process: the reference engine starts in seconds
-    await FingerprinterService(runtimes["fingerprinter"], build_core(model_cfg, load(FingerprinterConfig)),
-                               10.0).start()
+    fingerprinter_cfg = load(FingerprinterConfig, admit_timeout_s=10.0)
+    await FingerprinterService(runtimes["fingerprinter"], build_core(model_cfg, fingerprinter_cfg),
+                               fingerprinter_cfg).start()
     worker_cfg = load(WorkerConfig)
     loaded = await asyncio.to_thread(load_engine, model_cfg, worker_cfg, runtimes["worker"].instance_id)
     worker = WorkerService(runtimes["worker"], loaded, worker_cfg)

@@ -8,8 +8,8 @@ import pytest
 
 from kite_arbitrator.core import ArbitratorCore
 from kite_arbitrator.rules import DEFAULT_RULES_PATH, RulesError, load_rules, parse_rules
-from kite_shared.messages import (Decision, GatewayTelemetry, PoolTelemetry, WorkerTelemetry,
-                                   TELEMETRY)
+from kite_shared.messages import (TELEMETRY, ArbitratorTelemetry, Decision, FingerprinterTelemetry,
+                                  GatewayTelemetry, PoolTelemetry, WorkerTelemetry)
 
 RULES = """
 version: 1
@@ -243,3 +243,16 @@ def test_activating_standby_capacity_instead_of_shedding():
     c2 = ArbitratorCore(rules=rules, rules_version=version, ttft_slo_s=2.0)
     c2.observe(wt("w1", queue_depth=3, num_running=4, prefill_backlog_tokens=9000), 0.0)
     assert ("admission", "*", False) in kinds(c2.evaluate(0.0))
+
+
+def test_fleet_signals_include_what_fingerprinters_report():
+    c = core()
+    c.observe(wt("w1"), 0.0)
+    c.observe(FingerprinterTelemetry(instance_id="f1", request_rate=3.0, routed_hit_rate=0.9, refused_rate=0.0), 0.0)
+    c.observe(FingerprinterTelemetry(instance_id="f2", request_rate=1.0, routed_hit_rate=0.5, refused_rate=0.2), 0.0)
+    c.observe(ArbitratorTelemetry(instance_id="a2"), 0.0)  # another arbitrator's report is not a source
+    signals = c.fleet_signals(c._fresh(c.workers, 0.0), {}, {}, c._fresh(c.fingerprinters, 0.0))
+    assert signals["routed_hit_rate"] == (3.0 * 0.9 + 1.0 * 0.5) / 4.0
+    assert signals["fingerprinter_refused_rate"] == 0.2
+    assert c.num_sources(0.0) == 3
+    assert c.num_sources(0.0 + c.stale_s + 1) == 0

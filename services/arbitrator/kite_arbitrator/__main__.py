@@ -16,9 +16,7 @@ def main() -> None:
         start_http_server(cfg.metrics_port, addr="0.0.0.0")
 
     async def setup(rt: ServiceRuntime) -> None:
-        service = ArbitratorService(rt, cfg)
-        await service.start()
-        rt.on_drain(service.stop)
+        await ArbitratorService(rt, cfg).start()
 
     run_service("arbitrator", setup)
 

@@ -22,8 +22,8 @@ import os
 import statistics
 from dataclasses import dataclass, field
 
-from kite_shared.messages import (Decision, GatewayTelemetry, PoolTelemetry, RoutingWeights,
-                                   WorkerTelemetry)
+from kite_shared.messages import (AnyTelemetry, Decision, FingerprinterTelemetry, GatewayTelemetry,
+                                  PoolTelemetry, RoutingWeights, WorkerTelemetry)
 from kite_arbitrator.rules import Rule, RuleSet
 
 # a standby/active change is assumed lost if the worker's telemetry has not confirmed it by then
@@ -48,6 +48,7 @@ class ArbitratorCore:
     workers: dict[str, _Seen] = field(default_factory=dict)
     gateways: dict[str, _Seen] = field(default_factory=dict)
     pools: dict[str, _Seen] = field(default_factory=dict)
+    fingerprinters: dict[str, _Seen] = field(default_factory=dict)
     current: dict[tuple[str, str], tuple[Decision, float]] = field(default_factory=dict)
     log: list[dict] = field(default_factory=list)  # structured decision log, drained by the service
     stale: bool = False
@@ -59,7 +60,8 @@ class ArbitratorCore:
     _nonce: str = field(default_factory=lambda: os.urandom(3).hex())
 
     # --- inputs ----------------------------------------------------------------------------------
-    def observe(self, message: WorkerTelemetry | PoolTelemetry | GatewayTelemetry, now: float) -> None:
+    def observe(self, message: AnyTelemetry, now: float) -> None:
+        """Take one telemetry message into the view (an arbitrator's own telemetry is not an input)."""
         if isinstance(message, WorkerTelemetry):
             if message.draining:
                 self.workers.pop(message.instance_id, None)
@@ -78,6 +80,13 @@ class ArbitratorCore:
             self.gateways[message.instance_id] = _Seen(message, now)
         elif isinstance(message, PoolTelemetry):
             self.pools[message.instance_id] = _Seen(message, now)
+        elif isinstance(message, FingerprinterTelemetry):
+            self.fingerprinters[message.instance_id] = _Seen(message, now)
+
+    def num_sources(self, now: float) -> int:
+        """Service instances whose telemetry is fresh (ArbitratorTelemetry.num_sources)."""
+        return sum(len(self._fresh(seen, now)) for seen in
+                   (self.workers, self.gateways, self.pools, self.fingerprinters))
 
     def set_rules(self, rules: RuleSet, version: str, now: float) -> None:
         self.rules, self.rules_version = rules, version
@@ -107,13 +116,16 @@ class ArbitratorCore:
             "standby": float(t.standby),
         }
 
-    def fleet_signals(self, workers: dict[str, WorkerTelemetry], gateways: dict, pools: dict) -> dict[str, float]:
+    def fleet_signals(self, workers: dict[str, WorkerTelemetry], gateways: dict, pools: dict,
+                      fingerprinters: dict | None = None) -> dict[str, float]:
         active = [w for w in workers.values() if not w.standby and w.healthy]
         per = {w.instance_id: self.worker_signals(w) for w in active}
         predicted = min((s["predicted_ttft_s"] for s in per.values()), default=0.0)
         queue = sum(w.queue_depth for w in active)
         slots = sum(max(1, w.max_running) for w in active)
         pool = next(iter(pools.values()), None)
+        routers = list((fingerprinters or {}).values())
+        routed_rate = sum(f.request_rate for f in routers)
         return {
             "active_workers": len(active),
             "standby_workers": sum(1 for w in workers.values() if w.standby and w.healthy),
@@ -129,6 +141,9 @@ class ArbitratorCore:
             "pool_hot_fill": pool.hot_fill if pool else 0.0,
             "pool_hit_rate": pool.hit_rate if pool else 0.0,
             "pool_tiers_down": sum(1 for t in pool.tiers.values() if not t.up) if pool else 0,
+            "routed_hit_rate": (sum(f.routed_hit_rate * f.request_rate for f in routers) / routed_rate
+                                if routed_rate else 0.0),
+            "fingerprinter_refused_rate": max((f.refused_rate for f in routers), default=0.0),
         }
 
     def _winner(self, rules: list[Rule], action: str, signals: dict[str, float], target: str,
@@ -152,6 +167,7 @@ class ArbitratorCore:
         workers = self._fresh(self.workers, now)
         gateways = self._fresh(self.gateways, now)
         pools = self._fresh(self.pools, now)
+        fingerprinters = self._fresh(self.fingerprinters, now)
         for wid in [w for w in self.workers if w not in workers]:
             if now - self.workers[wid].at > 60 * self.stale_s:
                 del self.workers[wid]
@@ -181,7 +197,7 @@ class ArbitratorCore:
         if was_stale:
             self._log(now, "fresh", reason="worker telemetry is fresh again: rules apply")
             self.current.pop(("write_policy", "*"), None)
-        fleet = self.fleet_signals(workers, gateways, pools)
+        fleet = self.fleet_signals(workers, gateways, pools, fingerprinters)
         fleet_rules = self.rules.ordered("fleet")
         defaults = self.rules.defaults
 
@@ -191,7 +207,7 @@ class ArbitratorCore:
         if self._warm_pending:
             workers = {wid: (t.model_copy(update={"standby": self._warm_pending[wid][0]})
                              if wid in self._warm_pending else t) for wid, t in workers.items()}
-            fleet = self.fleet_signals(workers, gateways, pools)
+            fleet = self.fleet_signals(workers, gateways, pools, fingerprinters)
 
         win = self._winner(fleet_rules, "admission", fleet, "*", now)
         admission = win[0].then.admission if win else defaults.admission

@@ -64,6 +64,10 @@ FLEET_SIGNALS = {
     "pool_hot_fill": "ru-pool hot tier bytes / capacity",
     "pool_hit_rate": "ru-pool hit rate over every tier",
     "pool_tiers_down": "ru-pool tiers that are down",
+    "routed_hit_rate": "prompt blocks the chosen worker held or could load / prompt blocks, over "
+                       "cache-aware routing decisions (fingerprinters, weighted by request rate)",
+    "fingerprinter_refused_rate": "highest fraction of requests a fingerprinter refused (bad request, no "
+                                  "worker, worker timeout)",
 }
 
 

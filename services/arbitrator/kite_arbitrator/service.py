@@ -16,7 +16,6 @@ keeping per-subscriber state.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
@@ -24,15 +23,15 @@ import time
 from collections import deque
 from pathlib import Path
 
-from nats.aio.msg import Msg
 from prometheus_client import Counter as MetricCounter, Histogram
 
 from kite_shared import subjects
 from kite_shared.config import ArbitratorConfig
-from kite_shared.messages import Heartbeat, MessageError, decode_or_log
+from kite_shared.endpoints import Endpoint, Refusal
+from kite_shared.messages import (ROUTING_MODES, TELEMETRY, AnyTelemetry, ArbitratorAdminReply,
+                                  ArbitratorAdminRequest, ArbitratorTelemetry, ErrorInfo, Heartbeat)
 from kite_shared.service import ServiceRuntime
-from kite_shared.messages import (ROUTING_MODES, ArbitratorAdminReply, ArbitratorAdminRequest,
-                                   TELEMETRY)
+from kite_shared.window import TimeWindow
 from kite_arbitrator.core import ArbitratorCore
 from kite_arbitrator.rules import DEFAULT_RULES_PATH, RulesError, load_rules, parse_rules
 
@@ -68,38 +67,48 @@ class ArbitratorService:
         self.core.set_rules(rules, version, time.time())
         self.live: dict[str, Heartbeat] = {}
         self.latencies: deque[float] = deque(maxlen=10_000)  # seconds, telemetry -> decision published
-        self._tasks: list[asyncio.Task] = []
+        # Over the telemetry window (ArbitratorTelemetry): one sample per decision published, in ms.
+        self.recent_latencies_ms = TimeWindow(cfg.telemetry_window_s)
 
     async def start(self) -> None:
-        nc = self.rt.nc
-        await nc.subscribe(subjects.HEARTBEAT_WILDCARD, cb=self.on_heartbeat)
-        await nc.subscribe(subjects.TELEMETRY_WILDCARD, cb=self.on_telemetry)
-        await nc.subscribe(subjects.ARBITRATOR_ADMIN, queue="arbitrator", cb=self.on_admin)
-        self._tasks = [asyncio.create_task(self._eval_loop()), asyncio.create_task(self._rules_loop()),
-                       asyncio.create_task(self._refresh_loop())]
+        await self.rt.serve(
+            Endpoint(subjects.HEARTBEAT_WILDCARD, Heartbeat.decode, self.on_heartbeat),
+            Endpoint(subjects.TELEMETRY_WILDCARD, TELEMETRY.decode, self.on_telemetry),
+            Endpoint(subjects.ARBITRATOR_ADMIN, ArbitratorAdminRequest.decode, self.admin, queue="arbitrator",
+                     refuse=lambda error: ArbitratorAdminReply(ok=False, error=error.message)))
+        self.rt.every(self.cfg.eval_interval_s, self._evaluate, "periodic evaluation")
+        self.rt.every(RULES_POLL_S, self._reload_if_changed, "rules file check")
+        self.rt.every(REFRESH_INTERVAL_S, self._refresh, "decision refresh")
+        self.rt.publish_every(self.cfg.telemetry_interval_s, subjects.telemetry("arbitrator"), self.telemetry)
         self._write_log()
 
-    async def on_heartbeat(self, msg: Msg) -> None:
-        beat = decode_or_log(Heartbeat.decode, msg.data, log, "bad heartbeat on %s", msg.subject)
-        if beat is None:
-            return
+    async def on_heartbeat(self, beat: Heartbeat) -> None:
         if beat.instance_id not in self.live:
             log.info("new %s instance %s", beat.service, beat.instance_id)
         self.live[beat.instance_id] = beat
         RECEIVED.labels("heartbeat").inc()
 
-    async def on_telemetry(self, msg: Msg) -> None:
+    async def on_telemetry(self, telemetry: AnyTelemetry) -> None:
         received = time.perf_counter()
-        telemetry = decode_or_log(TELEMETRY.decode, msg.data, log, "bad telemetry on %s", msg.subject)
-        if telemetry is None:
-            return
         RECEIVED.labels(telemetry.KIND).inc()
+        if isinstance(telemetry, ArbitratorTelemetry):
+            return  # an arbitrator's own report: nothing to decide on
         now = time.time()
         self.core.observe(telemetry, now)
         if await self._publish(self.core.evaluate(now)):
             seconds = time.perf_counter() - received
             self.latencies.append(seconds)
+            self.recent_latencies_ms.add(time.monotonic(), 1000 * seconds)
             LATENCY.observe(seconds)
+
+    def telemetry(self) -> ArbitratorTelemetry:
+        now = time.monotonic()
+        return ArbitratorTelemetry(
+            instance_id=self.rt.instance_id, rules_version=self.core.rules_version,
+            num_decisions=self.recent_latencies_ms.count(now),
+            decision_latency_p50_ms=round(self.recent_latencies_ms.percentile(now, 0.5), 3),
+            decision_latency_p99_ms=round(self.recent_latencies_ms.percentile(now, 0.99), 3),
+            num_sources=self.core.num_sources(time.time()), stale=self.core.stale)
 
     async def _publish(self, decisions) -> int:
         for d in decisions:
@@ -115,22 +124,12 @@ class ArbitratorService:
         for entry in self.core.take_log():  # the structured decision log: one JSON object per change
             decision_log.info("%s", json.dumps(entry, sort_keys=True, default=str))
 
-    async def _eval_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.eval_interval_s)
-            try:
-                await self._publish(self.core.evaluate(time.time()))
-            except Exception:
-                log.exception("evaluation failed")
+    async def _evaluate(self) -> None:
+        await self._publish(self.core.evaluate(time.time()))
 
-    async def _refresh_loop(self) -> None:
-        while True:
-            await asyncio.sleep(REFRESH_INTERVAL_S)
-            for d in self.core.current_decisions():
-                try:
-                    await self.rt.nc.publish(subjects.DECISIONS, d.model_copy(update={"refresh": True}).encode())
-                except Exception as exc:
-                    log.debug("refresh not sent: %s", exc)
+    async def _refresh(self) -> None:
+        for d in self.core.current_decisions():
+            await self.rt.nc.publish(subjects.DECISIONS, d.model_copy(update={"refresh": True}).encode())
 
     # --- rules ------------------------------------------------------------------------------------
     def _stamp(self) -> str:
@@ -157,24 +156,12 @@ class ArbitratorService:
             log.info("rules %s loaded from %s (%d rules)", version, self.rules_path, len(rules.rules))
         return True, f"rules {version} active"
 
-    async def _rules_loop(self) -> None:
-        while True:
-            await asyncio.sleep(RULES_POLL_S)
-            if self._stamp() != self._rules_stamp:
-                self.reload()
-                await self._publish(self.core.evaluate(time.time()))
+    async def _reload_if_changed(self) -> None:
+        if self._stamp() != self._rules_stamp:
+            self.reload()
+            await self._publish(self.core.evaluate(time.time()))
 
     # --- admin --------------------------------------------------------------------------------------
-    async def on_admin(self, msg: Msg) -> None:
-        try:
-            req = ArbitratorAdminRequest.decode(msg.data)
-        except MessageError as exc:
-            reply = ArbitratorAdminReply(ok=False, error=str(exc))
-        else:
-            reply = await self.admin(req)
-        if msg.reply:
-            await msg.respond(reply.encode())
-
     async def admin(self, req: ArbitratorAdminRequest) -> ArbitratorAdminReply:
         ok, error = True, ""
         if req.op == "reload":
@@ -183,8 +170,9 @@ class ArbitratorService:
             await self._publish(self.core.evaluate(time.time()))
         elif req.op == "set_routing_mode":
             if req.routing_mode and req.routing_mode not in ROUTING_MODES:
-                return ArbitratorAdminReply(ok=False, error=f"unknown routing mode {req.routing_mode!r}; "
-                                                            f"one of {', '.join(ROUTING_MODES)}")
+                raise Refusal(ErrorInfo(code="invalid_routing_mode", param="routing_mode",
+                                        message=f"unknown routing mode {req.routing_mode!r}; "
+                                                f"one of {', '.join(ROUTING_MODES)}"))
             await self._publish(self.core.set_routing_mode(req.routing_mode, time.time()))
         samples = sorted(self.latencies)
 
@@ -195,7 +183,3 @@ class ArbitratorService:
             current=[d for d, _ in self.core.current.values()], decision_latency_p50_ms=pct(0.5),
             decision_latency_p99_ms=pct(0.99), decision_latency_samples=len(samples),
             activation_latencies_s=dict(self.core.activation_latencies), stale=self.core.stale)
-
-    async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()

@@ -19,17 +19,17 @@ import time
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 from prometheus_client import Counter
 
 from kite_shared import subjects
 from kite_shared.config import FingerprinterConfig
-from kite_shared.messages import (Admission, ErrorInfo, Heartbeat, MessageError, TokenizedRequest,
-                                  decode_or_log)
+from kite_shared.endpoints import Endpoint
+from kite_shared.messages import (ROUTING_MODES, Admission, Decision, ErrorInfo, Heartbeat, MessageError,
+                                  TokenizedRequest, WorkerTelemetry)
 from kite_shared.routing import RouteRequest, RoutingKnobs, WorkerState, choose
-from kite_shared.messages import ROUTING_MODES, Decision, WorkerTelemetry
 from kite_shared.tiers.pool_client import PoolClient
+from kite_shared.window import TimeWindow
 
 log = logging.getLogger(__name__)
 
@@ -102,29 +102,36 @@ class Router:
         self.mode_override = ""
         self._sessions: dict[str, tuple[str, float]] = {}  # session id -> (worker, expires monotonic)
         self._rr = 0
+        # Cache-aware decisions over the telemetry window: prompt blocks, and those the chosen worker
+        # held or could load from the pool (FingerprinterTelemetry.routed_hit_rate).
+        self.routed_prompt_blocks = TimeWindow(cfg.telemetry_window_s)
+        self.routed_cached_blocks = TimeWindow(cfg.telemetry_window_s)
 
     @property
     def mode(self) -> str:
         return self.mode_override or self.cfg.router_mode
 
-    async def start(self) -> None:
-        await self.nc.subscribe(subjects.heartbeat("worker"), cb=self._on_heartbeat)
-        await self.nc.subscribe(subjects.telemetry("worker"), cb=self._on_telemetry)
-        await self.nc.subscribe(subjects.DECISIONS, cb=self._on_decision)
+    def endpoints(self) -> list[Endpoint]:
+        """What the router listens to: the workers' liveness and load, the arbitrator's decisions."""
+        return [Endpoint(subjects.heartbeat("worker"), Heartbeat.decode, self.on_heartbeat),
+                Endpoint(subjects.telemetry("worker"), WorkerTelemetry.decode, self.on_telemetry),
+                Endpoint(subjects.DECISIONS, Decision.decode, self.on_decision)]
 
-    async def _on_heartbeat(self, msg: Msg) -> None:
-        beat = decode_or_log(Heartbeat.decode, msg.data, log, "bad heartbeat", level=logging.DEBUG)
-        if beat is not None:
-            self.live.heartbeat(beat, time.monotonic())
+    def num_live_workers(self) -> int:
+        return len(self.live.candidates(time.monotonic()))
 
-    async def _on_telemetry(self, msg: Msg) -> None:
-        t = decode_or_log(WorkerTelemetry.decode, msg.data, log, "bad worker telemetry", level=logging.DEBUG)
-        if t is not None:
-            self.live.telemetry(t, time.monotonic())
+    def routed_hit_rate(self, now: float) -> float:
+        prompt = self.routed_prompt_blocks.total(now)
+        return self.routed_cached_blocks.total(now) / prompt if prompt else 0.0
 
-    async def _on_decision(self, msg: Msg) -> None:
-        d = decode_or_log(Decision.decode, msg.data, log, "bad decision")
-        if d is None or d.action != "routing":
+    async def on_heartbeat(self, beat: Heartbeat) -> None:
+        self.live.heartbeat(beat, time.monotonic())
+
+    async def on_telemetry(self, t: WorkerTelemetry) -> None:
+        self.live.telemetry(t, time.monotonic())
+
+    async def on_decision(self, d: Decision) -> None:
+        if d.action != "routing":
             return
         if d.weights is not None:
             knobs = RoutingKnobs(affinity_weight=d.weights.affinity, load_weight=d.weights.load,
@@ -192,6 +199,13 @@ class Router:
         if choice is None:
             return "", "queue_group", pool_blocks
         log.debug("route %s -> %s (%s) costs=%s", request.request_id, choice.worker_id, choice.reason, choice.costs)
+        if local_blocks is not None and request.block_hashes:
+            chosen = next(c for c in candidates if c.worker_id == choice.worker_id)
+            cached = local_blocks.get(choice.worker_id, 0)
+            if chosen.reads_pool:
+                cached = max(cached, pool_blocks)
+            self.routed_prompt_blocks.add(now, len(request.block_hashes))
+            self.routed_cached_blocks.add(now, cached)
         return choice.worker_id, choice.reason, pool_blocks
 
     def _accepted(self, worker_id: str, request: TokenizedRequest, session_id: str, now: float) -> None:

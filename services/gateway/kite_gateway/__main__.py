@@ -6,11 +6,11 @@ import asyncio
 import logging
 
 import uvicorn
-from nats.aio.msg import Msg
 
 from kite_shared import subjects
 from kite_shared.config import GatewayConfig, load
-from kite_shared.messages import Heartbeat, decode_or_log
+from kite_shared.endpoints import Endpoint
+from kite_shared.messages import Heartbeat
 from kite_shared.security import ANONYMOUS_TENANT
 from kite_shared.service import ServiceRuntime, run_service
 from kite_gateway.auth import Authenticator
@@ -26,22 +26,20 @@ log = logging.getLogger("kite_gateway")
 async def start_gateway(rt: ServiceRuntime, cfg: GatewayConfig) -> GenerationClient:
     fleet = Fleet(dead_after_s=cfg.worker_dead_after_s)
 
-    async def on_heartbeat(msg: Msg) -> None:
-        beat = decode_or_log(Heartbeat.decode, msg.data, log, "bad heartbeat on %s", msg.subject)
-        if beat is not None:
-            fleet.observe(beat)
+    async def on_heartbeat(beat: Heartbeat) -> None:
+        fleet.observe(beat)
 
-    await rt.nc.subscribe(subjects.HEARTBEAT_WILDCARD, cb=on_heartbeat)
+    await rt.serve(Endpoint(subjects.HEARTBEAT_WILDCARD, Heartbeat.decode, on_heartbeat))
     client = GenerationClient(nc=rt.nc, fleet=fleet, gateway_id=rt.instance_id.replace(".", "_"),
                               admit_timeout_s=cfg.admit_timeout_s,
                               stream_idle_timeout_s=cfg.stream_idle_timeout_s,
                               max_migrations=cfg.max_migrations,
                               first_event_timeout_s=cfg.first_event_timeout_s)
     # issue 5: telemetry (request and error rates) and the arbitrator's admission decisions
-    control = GatewayControl(rt.nc, rt.instance_id, cfg.telemetry_interval_s, cfg.telemetry_window_s)
+    control = GatewayControl(rt.instance_id, cfg.telemetry_window_s)
     client.admission = control.gate
     client.control = control  # read by the HTTP middleware
-    await control.start()
+    await control.start(rt, cfg.telemetry_interval_s)
 
     authenticator = Authenticator.from_config(cfg)
     if not authenticator.enabled:

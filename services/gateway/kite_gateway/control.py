@@ -10,18 +10,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import deque
 
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from prometheus_client import Counter
 
 from kite_shared import subjects
-from kite_shared.messages import decode_or_log
+from kite_shared.endpoints import Endpoint
 from kite_shared.messages import Decision, GatewayTelemetry
+from kite_shared.service import ServiceRuntime
 from kite_gateway.errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -80,30 +78,20 @@ class AdmissionGate:
 
 
 class GatewayControl:
-    def __init__(self, nc: NATS, instance_id: str, interval_s: float, window_s: float) -> None:
-        self.nc = nc
+    def __init__(self, instance_id: str, window_s: float) -> None:
         self.instance_id = instance_id
-        self.interval_s = interval_s
         self.stats = RequestStats(window_s)
         self.gate = AdmissionGate(self.stats)
-        self._task: asyncio.Task | None = None
 
-    async def start(self) -> None:
-        await self.nc.subscribe(subjects.DECISIONS, cb=self._on_decision)
-        self._task = asyncio.create_task(self._loop())
+    async def start(self, rt: ServiceRuntime, telemetry_interval_s: float) -> None:
+        await rt.serve(Endpoint(subjects.DECISIONS, Decision.decode, self.on_decision))
+        rt.publish_every(telemetry_interval_s, subjects.telemetry("gateway"), self.telemetry)
 
-    async def _on_decision(self, msg: Msg) -> None:
-        d = decode_or_log(Decision.decode, msg.data, log, "bad decision")
-        if d is not None and d.action == "admission":
+    async def on_decision(self, d: Decision) -> None:
+        if d.action == "admission":
             self.gate.apply(d)
 
-    async def _loop(self) -> None:
-        while True:
-            rate, errors, rejected = self.stats.rates()
-            t = GatewayTelemetry(instance_id=self.instance_id, request_rate=round(rate, 3),
-                                 error_rate=round(errors, 4), rejected_rate=round(rejected, 4))
-            try:
-                await self.nc.publish(subjects.telemetry("gateway"), t.encode())
-            except Exception as exc:
-                log.debug("telemetry not sent: %s", exc)
-            await asyncio.sleep(self.interval_s)
+    def telemetry(self) -> GatewayTelemetry:
+        rate, errors, rejected = self.stats.rates()
+        return GatewayTelemetry(instance_id=self.instance_id, request_rate=round(rate, 3),
+                                error_rate=round(errors, 4), rejected_rate=round(rejected, 4))
