@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ MODEL = ModelFingerprint(weights_digest="ab" * 32, adapter_digest="", dtype="flo
                          quantization="gguf-q4_1-dequantized", layout=LAYOUT)
 EXEC = ExecutionPathFingerprint(attn_impl="sdpa", kv_storage_dtype="float16")
 TOKENS = list(range(1000, 1040))  # 2 full blocks + 8 tokens
+REPO_ROOT = Path(__file__).resolve().parents[2]  # where `tests.unit...` imports from, whatever the cwd
 
 
 def test_exact_hashes_are_stable():
@@ -74,7 +76,8 @@ def test_hashes_identical_across_processes():
             "from kite_shared.fingerprint import block_hash_chain, root_hash;"
             "print(','.join(h.hex() for h in block_hash_chain(TOKENS, 16, root_hash(MODEL, EXEC), 'x')))")
     outputs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                              env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout.strip() for seed in ("1", "2")}
+                              env={"PYTHONHASHSEED": seed, "PATH": ""}, cwd=REPO_ROOT).stdout.strip()
+               for seed in ("1", "2")}
     local = ",".join(h.hex() for h in block_hash_chain(TOKENS, 16, root_hash(MODEL, EXEC), "x"))
     assert outputs == {local}
 
