@@ -1,8 +1,7 @@
 """The gRPC API (proto/kite.proto, service kite.v1.Kite): GenerateRequest -> GenerationClient -> event stream.
 
-The gRPC twin of the HTTP API: the same `GenerationClient`, the same parameter rules as
-`openai_protocol` (temperature 0..2, top_p (0, 1], max_tokens >= 1, at most 4 stop strings) and the same
-service error codes, mapped to gRPC status codes instead of HTTP statuses:
+The gRPC twin of the HTTP API: the same `GenerationClient`, the same parameter rules and cache salt
+(`normalize`: a GenerateRequest is validated as the HTTP body it means) and the same service error codes, mapped to gRPC status codes instead of HTTP statuses:
 
     400 -> INVALID_ARGUMENT   404 -> NOT_FOUND (model_not_found)   429 -> RESOURCE_EXHAUSTED
     503 -> UNAVAILABLE   504 -> DEADLINE_EXCEEDED   500 (and anything else) -> INTERNAL
@@ -28,13 +27,12 @@ from prometheus_client import Counter
 
 from kite_shared.config import GatewayConfig
 from kite_shared.grpc_gen import kite_pb2, kite_pb2_grpc
-from kite_shared.messages import ChatMessage, SamplingParams, StreamEnd
-from kite_shared.security import tenant_cache_salt
+from kite_shared.messages import StreamEnd
 from kite_shared.service import tenant_var
 from kite_gateway.auth import Authenticator
 from kite_gateway.errors import ApiError
-from kite_gateway.generation import GenerationClient, GenerationParams, prompt_size, rate_permit
-from kite_gateway.openai_protocol import MAX_STOP_STRINGS
+from kite_gateway.generation import GenerationClient, prompt_size, rate_permit
+from kite_gateway.normalize import InvalidArgument, grpc_params
 from kite_gateway.rate_limit import TenantRateLimiter
 
 log = logging.getLogger(__name__)
@@ -48,65 +46,6 @@ _STATUS_BY_HTTP = {
     503: grpc.StatusCode.UNAVAILABLE,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
-_ROLES = ("system", "developer", "user", "assistant")
-# Same bound as the HTTP body's cache_salt field.
-_MAX_CACHE_SALT_CHARS = 256
-
-
-class InvalidArgument(ValueError):
-    """A request field KITE refuses before asking any service; the message names the field."""
-
-
-def generation_params(request: kite_pb2.GenerateRequest) -> GenerationParams:
-    """Validate a GenerateRequest the way the HTTP API validates its body, and translate it."""
-    if not request.model:
-        raise InvalidArgument("model: required")
-    messages = prompt = prompt_token_ids = None
-    which = request.WhichOneof("input")
-    if which is None:
-        raise InvalidArgument("one of messages, prompt or prompt_token_ids is required")
-    if which == "messages":
-        if not request.messages.messages:
-            raise InvalidArgument("messages: at least one message is required")
-        messages = []
-        for i, m in enumerate(request.messages.messages):
-            if m.role not in _ROLES:
-                raise InvalidArgument(f"messages[{i}].role: must be one of {', '.join(_ROLES)}, got {m.role!r}")
-            # SmolLM2's template (like most) knows "system", not OpenAI's newer "developer" alias.
-            messages.append(ChatMessage(role="system" if m.role == "developer" else m.role, content=m.content))
-    elif which == "prompt":
-        prompt = request.prompt
-    else:
-        if not request.prompt_token_ids.ids:
-            raise InvalidArgument("prompt_token_ids: at least one token id is required")
-        prompt_token_ids = list(request.prompt_token_ids.ids)
-
-    max_tokens = request.max_tokens if request.HasField("max_tokens") else None
-    if max_tokens is not None and max_tokens < 1:
-        raise InvalidArgument(f"max_tokens: must be at least 1, got {max_tokens}")
-    temperature = request.temperature if request.HasField("temperature") else 1.0
-    # Written as `not (a <= x <= b)` so NaN is refused too.
-    if not 0.0 <= temperature <= 2.0:
-        raise InvalidArgument(f"temperature: must be between 0 and 2, got {temperature}")
-    top_p = request.top_p if request.HasField("top_p") else 1.0
-    if not 0.0 < top_p <= 1.0:
-        raise InvalidArgument(f"top_p: must be greater than 0 and at most 1, got {top_p}")
-    if len(request.stop) > MAX_STOP_STRINGS:
-        raise InvalidArgument(f"stop: at most {MAX_STOP_STRINGS} stop sequences are allowed, "
-                              f"got {len(request.stop)}")
-    if len(request.cache_salt) > _MAX_CACHE_SALT_CHARS:
-        raise InvalidArgument(f"cache_salt: at most {_MAX_CACHE_SALT_CHARS} characters")
-    # Workers seed a non-negative generator; fold negatives the way the HTTP API does.
-    seed = request.seed % 2**63 if request.HasField("seed") else None
-
-    return GenerationParams(
-        model=request.model,
-        sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                stop=list(request.stop)),
-        messages=messages, prompt=prompt, prompt_token_ids=prompt_token_ids,
-        reuse=not request.disable_reuse, cache_salt=request.cache_salt)
-
-
 def _deadline_failure() -> "_Failure":
     return _Failure(grpc.StatusCode.DEADLINE_EXCEEDED, "The call's deadline passed before generation finished",
                     "deadline_exceeded")
@@ -209,11 +148,9 @@ class KiteService(kite_pb2_grpc.KiteServicer):
             raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, "the request is not a valid kite.v1.GenerateRequest "
                            "(malformed protobuf or invalid UTF-8 in a string field)", "invalid_request")
         try:
-            params = generation_params(request)
+            params = grpc_params(request, tenant)
         except InvalidArgument as exc:
             raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid_value") from None
-        params.cache_salt = tenant_cache_salt(tenant, params.cache_salt)
-        params.tenant = tenant
         try:
             permit = rate_permit(self._limiter, tenant, self._limiter.estimate_tokens(
                 *prompt_size(params), max_tokens=params.sampling.max_tokens))

@@ -30,12 +30,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kite_shared.messages import StreamEnd, TokenChunk
-from kite_shared.security import tenant_cache_salt
 from kite_shared.service import tenant_var
 from kite_gateway.auth import Authenticator
 from kite_gateway.errors import ApiError
 from kite_gateway.generation import (Generation, GenerationClient, GenerationParams, collect, gather_open,
                                      prompt_size, rate_permit)
+from kite_gateway.normalize import chat_params, completion_params
 from kite_gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
                                           batch_usage_body, now, usage_body)
 from kite_gateway.rate_limit import Permit, TenantRateLimiter
@@ -248,10 +248,7 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
     async def chat_completions(request: Request) -> Response:
         tenant = tenant_of(request)
         body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)  # type: ignore[assignment]
-        params = GenerationParams(model=body.model, sampling=body.sampling(body.resolved_max_tokens),
-                                  messages=[m.to_message() for m in body.messages], reuse=body.kite.reuse,
-                                  cache_salt=tenant_cache_salt(tenant, body.cache_salt), tenant=tenant,
-                                  session_id=body.kite.session_id)
+        params = chat_params(body, tenant)
         permit = rate_permit(limiter, tenant, limiter.estimate_tokens(
             *prompt_size(params), max_tokens=body.resolved_max_tokens, choices=body.n))
         started = time.monotonic()
@@ -285,12 +282,7 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
                            code="invalid_value", param="prompt")
         params = []
         tokens = 0
-        for p in prompts:
-            text, ids = (p, None) if isinstance(p, str) else (None, list(p))
-            one = GenerationParams(model=body.model, sampling=body.sampling(body.max_tokens), prompt=text,
-                                   prompt_token_ids=ids, reuse=body.kite.reuse,
-                                   cache_salt=tenant_cache_salt(tenant, body.cache_salt),
-                                   tenant=tenant, session_id=body.kite.session_id)
+        for one in completion_params(body, tenant):
             params += [one] * body.n
             tokens += limiter.estimate_tokens(*prompt_size(one), max_tokens=body.max_tokens, choices=body.n)
         permit = rate_permit(limiter, tenant, tokens)
