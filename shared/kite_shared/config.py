@@ -295,6 +295,9 @@ SETTINGS: tuple[Setting, ...] = (
             minimum=0.01),
     Setting("KITE_ARBITRATOR_MIN_ACTIVE_WORKERS", int, "1", ARBITRATOR,
             "Scale-in never leaves fewer active (non-standby) workers than this.", minimum=0),
+    Setting("KITE_ARBITRATOR_LEASE_S", float, "3", ARBITRATOR,
+            "Leader lease of the arbitrator replicas (a JetStream key-value entry): one replica decides; if "
+            "it dies another takes over within this plus a third of it.", minimum=0.5),
     # --- security ----------------------------------------------------------------------------------
     Setting("KITE_AUTH_ENABLED", bool, "on", GATEWAY,
             "Require an API key (HTTP `Authorization: Bearer`, gRPC metadata `authorization`) on /v1 "
@@ -566,6 +569,7 @@ class ArbitratorConfig:
     ttft_slo_s: float = env("KITE_ARBITRATOR_TTFT_SLO_S")
     eval_interval_s: float = env("KITE_ARBITRATOR_EVAL_INTERVAL_S")
     min_active_workers: int = env("KITE_ARBITRATOR_MIN_ACTIVE_WORKERS")
+    lease_s: float = env("KITE_ARBITRATOR_LEASE_S")
     telemetry_interval_s: float = env("KITE_TELEMETRY_INTERVAL_S")
     telemetry_window_s: float = env("KITE_TELEMETRY_WINDOW_S")
 

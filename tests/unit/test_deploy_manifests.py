@@ -69,7 +69,6 @@ TARGET_SERVICE = {**{s: s for s in SERVICES}, "worker-gpu": "worker", "fingerpri
 # (a test below holds the manifests to it and notices when the docstring drops it).
 SINGLE_REPLICA = {
     "ru-pool": "its index is in its process (kite_ru_pool/service.py: \"One replica per deployment\")",
-    "arbitrator": "two would publish conflicting decisions",
 }
 RU_POOL_SERVICE = SERVICE_PACKAGES["ru-pool"] / "service.py"
 GPU_CHECK = ROOT / "deploy" / "gpu" / "check.sh"
@@ -1285,6 +1284,13 @@ def test_rollout_count_sees_a_default_rolling_update_surge():
     assert most_pods_during_rollout({"spec": {"replicas": 1, "strategy": {"type": "Recreate"}}}) == 1
     assert most_pods_during_rollout(
         {"spec": {"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0}}}}) == 1
+
+
+@pytest.mark.parametrize("variant", ["base", *OVERLAYS])
+def test_the_arbitrator_runs_a_standby_replica_as_the_docs_say(variant):
+    deployment = objects(rendered(variant), "Deployment")["arbitrator"]
+    assert deployment["spec"].get("replicas", 1) >= 2, f"{variant}: one arbitrator is a single point of failure"
+    assert "**Arbitrator**: 2 replicas" in (ROOT / "docs" / "deploy.md").read_text()
 
 
 @pytest.mark.parametrize("variant", ["base", *OVERLAYS])

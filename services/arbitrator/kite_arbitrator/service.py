@@ -12,6 +12,13 @@ published, measured here and reported by the admin `status` op and
 the admin op `reload`; a bad file is rejected, logged, and the previous rules stay. Every decision is
 re-announced every 5 s with `refresh=True`, so a service that restarts converges without the arbitrator
 keeping per-subscriber state.
+
+Replicas: any number may run; one leads (kite_shared.lease: a JetStream key-value lease of
+KITE_ARBITRATOR_LEASE_S). Every replica takes in heartbeats and telemetry, so its view is warm; only the
+leader evaluates, publishes decisions and serves the admin subject. A follower adopts the leader's routing
+mode override from the decisions it sees, so a takeover keeps it. When the leader drains it releases the
+lease and another replica leads at its next renewal (a third of the lease); when it dies, within the lease
+plus a third. A new leader publishes every decision at once (its decisions start empty).
 """
 
 from __future__ import annotations
@@ -28,8 +35,9 @@ from prometheus_client import Counter as MetricCounter, Histogram
 from kite_shared import subjects
 from kite_shared.config import ArbitratorConfig
 from kite_shared.endpoints import Endpoint, Refusal
+from kite_shared.lease import LeaderLease
 from kite_shared.messages import (ROUTING_MODES, TELEMETRY, AnyTelemetry, ArbitratorAdminReply,
-                                  ArbitratorAdminRequest, ArbitratorTelemetry, ErrorInfo, Heartbeat)
+                                  ArbitratorAdminRequest, ArbitratorTelemetry, Decision, ErrorInfo, Heartbeat)
 from kite_shared.service import ServiceRuntime
 from kite_shared.window import TimeWindow
 from kite_arbitrator.core import ArbitratorCore
@@ -69,18 +77,53 @@ class ArbitratorService:
         self.latencies: deque[float] = deque(maxlen=10_000)  # seconds, telemetry -> decision published
         # Over the telemetry window (ArbitratorTelemetry): one sample per decision published, in ms.
         self.recent_latencies_ms = TimeWindow(cfg.telemetry_window_s)
+        self.lease = LeaderLease(rt.nc, "arbitrator", rt.instance_id, cfg.lease_s)
+        self.leader = False
+        self._admin_subscriptions: list = []
 
     async def start(self) -> None:
         await self.rt.serve(
             Endpoint(subjects.HEARTBEAT_WILDCARD, Heartbeat.decode, self.on_heartbeat),
             Endpoint(subjects.TELEMETRY_WILDCARD, TELEMETRY.decode, self.on_telemetry),
-            Endpoint(subjects.ARBITRATOR_ADMIN, ArbitratorAdminRequest.decode, self.admin, queue="arbitrator",
-                     refuse=lambda error: ArbitratorAdminReply(ok=False, error=error.message)))
+            Endpoint(subjects.DECISIONS, Decision.decode, self.on_decision))
+        await self._keep_lease()  # lead at once when no other replica does
+        self.rt.every(self.lease.renew_interval_s, self._keep_lease, "arbitrator leader lease")
         self.rt.every(self.cfg.eval_interval_s, self._evaluate, "periodic evaluation")
         self.rt.every(RULES_POLL_S, self._reload_if_changed, "rules file check")
         self.rt.every(REFRESH_INTERVAL_S, self._refresh, "decision refresh")
         self.rt.publish_every(self.cfg.telemetry_interval_s, subjects.telemetry("arbitrator"), self.telemetry)
+        self.rt.on_drain(self._resign)
         self._write_log()
+
+    # --- leadership ---------------------------------------------------------------------------------
+    async def _keep_lease(self) -> None:
+        leader = await self.lease.hold()
+        if leader == self.leader:
+            return
+        self.leader = leader
+        if leader:
+            log.info("leading the arbitrators (lease %.1f s)", self.cfg.lease_s)
+            self._admin_subscriptions = await self.rt.serve(Endpoint(
+                subjects.ARBITRATOR_ADMIN, ArbitratorAdminRequest.decode, self.admin, queue="arbitrator",
+                refuse=lambda error: ArbitratorAdminReply(ok=False, error=error.message)))
+            await self._evaluate()
+        else:
+            log.warning("another arbitrator leads now: following")
+            for subscription in self._admin_subscriptions:
+                await subscription.unsubscribe()
+            self._admin_subscriptions = []
+            self.core.current.clear()  # should this replica lead again, it announces everything anew
+
+    async def _resign(self) -> None:
+        if self.leader:
+            self.leader = False
+            await self.lease.resign()
+            log.info("arbitrator lease released")
+
+    async def on_decision(self, d: Decision) -> None:
+        """A follower keeps the leader's routing mode override, so a takeover does not drop it."""
+        if not self.leader and d.action == "routing":
+            self.core.routing_mode_override = d.routing_mode
 
     async def on_heartbeat(self, beat: Heartbeat) -> None:
         if beat.instance_id not in self.live:
@@ -95,7 +138,7 @@ class ArbitratorService:
             return  # an arbitrator's own report: nothing to decide on
         now = time.time()
         self.core.observe(telemetry, now)
-        if await self._publish(self.core.evaluate(now)):
+        if self.leader and await self._publish(self.core.evaluate(now)):
             seconds = time.perf_counter() - received
             self.latencies.append(seconds)
             self.recent_latencies_ms.add(time.monotonic(), 1000 * seconds)
@@ -108,7 +151,7 @@ class ArbitratorService:
             num_decisions=self.recent_latencies_ms.count(now),
             decision_latency_p50_ms=round(self.recent_latencies_ms.percentile(now, 0.5), 3),
             decision_latency_p99_ms=round(self.recent_latencies_ms.percentile(now, 0.99), 3),
-            num_sources=self.core.num_sources(time.time()), stale=self.core.stale)
+            num_sources=self.core.num_sources(time.time()), stale=self.core.stale, leader=self.leader)
 
     async def _publish(self, decisions) -> int:
         for d in decisions:
@@ -125,9 +168,12 @@ class ArbitratorService:
             decision_log.info("%s", json.dumps(entry, sort_keys=True, default=str))
 
     async def _evaluate(self) -> None:
-        await self._publish(self.core.evaluate(time.time()))
+        if self.leader:
+            await self._publish(self.core.evaluate(time.time()))
 
     async def _refresh(self) -> None:
+        if not self.leader:
+            return
         for d in self.core.current_decisions():
             await self.rt.nc.publish(subjects.DECISIONS, d.model_copy(update={"refresh": True}).encode())
 
@@ -159,7 +205,7 @@ class ArbitratorService:
     async def _reload_if_changed(self) -> None:
         if self._stamp() != self._rules_stamp:
             self.reload()
-            await self._publish(self.core.evaluate(time.time()))
+            await self._evaluate()
 
     # --- admin --------------------------------------------------------------------------------------
     async def admin(self, req: ArbitratorAdminRequest) -> ArbitratorAdminReply:

@@ -139,6 +139,7 @@ class ArbitratorTelemetry(Telemetry):
     decision_latency_p99_ms: float = 0.0
     num_sources: int = 0  # service instances whose telemetry the current view holds
     stale: bool = False  # no fresh worker telemetry: decisions fell back to the safe policy
+    leader: bool = False  # this replica holds the lease: it decides (the others only watch)
 
 
 class GatewayTelemetry(Telemetry):
