@@ -37,7 +37,7 @@ async def test_one_request_is_one_trace_across_every_service(nats_server, export
     from kite_fingerprinter.service import FingerprinterService
     from kite_gateway.__main__ import start_gateway
     from kite_ru_pool.service import PoolService
-    from kite_worker.service import WorkerService, load_engine
+    from kite_worker.__main__ import load_engine, start_worker
 
     monkeypatch.setenv("KITE_COLD_DIR", str(tmp_path / "cold"))
     monkeypatch.setenv("KITE_REDIS_URL", "")
@@ -53,8 +53,7 @@ async def test_one_request_is_one_trace_across_every_service(nats_server, export
                                fingerprinter_cfg).start()
     worker_cfg = load(WorkerConfig)
     loaded = await asyncio.to_thread(load_engine, model_cfg, worker_cfg, runtimes["worker"].instance_id)
-    worker = WorkerService(runtimes["worker"], loaded, worker_cfg)
-    await worker.start()
+    await start_worker(runtimes["worker"], loaded, worker_cfg)
     port = free_port()
     gateway_cfg = load(GatewayConfig, {"KITE_GATEWAY_HTTP_PORT": str(port), "KITE_GATEWAY_GRPC_PORT": "0",
                                        "KITE_AUTH_ENABLED": "off"})

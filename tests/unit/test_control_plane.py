@@ -13,7 +13,7 @@ from kite_gateway.errors import ApiError
 from kite_shared import subjects
 from kite_shared.messages import GenerateRequest, Heartbeat, SamplingParams
 from kite_shared.messages import Decision, WorkerTelemetry
-from kite_worker.control import WritePolicyFilter
+from kite_worker.write_policy import WritePolicyFilter
 
 
 def beat(name: str, draining: bool = False) -> Heartbeat:

@@ -1,13 +1,80 @@
-"""Worker entrypoint: config, load the model (before joining NATS, so a worker that answers pings can also
-serve), start the service (kite_worker/service.py), drain on SIGTERM."""
+"""Worker entrypoint: config, the engine (loaded before joining NATS, so a worker that answers pings can
+also serve), the handler table, drain on SIGTERM.
+
+Everything the worker answers and runs is in `start_worker`; how each part works: kite_worker.service
+(admission, cancellation, stream events, drain), kite_worker.control (telemetry, arbitrator decisions),
+kite_worker.pool_outbox (new blocks and cache events for the ru-pool). Boundary: wires the others together;
+no worker module imports this one.
+"""
 
 from __future__ import annotations
 
+import torch
 from prometheus_client import start_http_server
 
+from kite_shared import model_store, subjects
 from kite_shared.config import CommonConfig, ModelConfig, WorkerConfig, default_instance_id, load
+from kite_shared.endpoints import Endpoint
+from kite_shared.messages import Admission, Cancel, Decision, ErrorInfo, TokenizedRequest
 from kite_shared.service import ServiceRuntime, exit_on_signal_until_connected, run_service
-from kite_worker.service import WorkerService, load_engine
+from kite_worker.block_cache import BlockCache
+from kite_worker.engine import Engine, EngineOptions
+from kite_worker.service import LoadedModel, WorkerService
+from kite_worker.vllm_engine import VllmEngine
+
+
+def load_engine(model_cfg: ModelConfig, worker_cfg: WorkerConfig, instance_id: str) -> LoadedModel:
+    """The engine KITE_ENGINE names, its model loaded (vLLM: started)."""
+    if worker_cfg.num_threads > 0:
+        torch.set_num_threads(worker_cfg.num_threads)
+    local = model_store.prepare(model_cfg)
+    identity = model_store.identity(local, model_cfg)
+    if model_cfg.engine == "vllm":
+        vllm_engine = VllmEngine(local, identity, model_cfg, worker_cfg, instance_id)
+        vllm_engine.start()
+        return LoadedModel(local, identity, vllm_engine)
+    engine = Engine(
+        model=model_store.load_causal_lm(local, model_cfg),
+        tokenizer=model_store.load_tokenizer(local),
+        identity=identity,
+        block_cache=BlockCache(worker_cfg.cache_bytes),
+        options=EngineOptions(reuse=worker_cfg.reuse, block_size=model_cfg.block_size,
+                              storage_dtype=getattr(torch, model_cfg.kv_storage_dtype),
+                              prefill_chunk_tokens=worker_cfg.prefill_chunk_tokens,
+                              cache_generated=worker_cfg.cache_generated),
+        max_context_tokens=local.max_context_tokens,
+    )
+    return LoadedModel(local, identity, engine)
+
+
+def refused(error: ErrorInfo) -> Admission:
+    return Admission(accepted=False, error=error)
+
+
+async def start_worker(rt: ServiceRuntime, loaded: LoadedModel, cfg: WorkerConfig) -> WorkerService:
+    """The worker's handler table: what it answers, what it runs until shutdown, how it drains."""
+    worker = WorkerService(rt, loaded, cfg)
+    await worker.start()  # the engine runs; the ru-pool hears that this worker's cache is empty
+    await rt.serve(
+        Endpoint(subjects.WORKER_CANCEL, Cancel.decode, worker.cancel),
+        Endpoint(subjects.DECISIONS, Decision.decode, worker.control.on_decision),
+    )
+    # Subscribed while the worker takes requests: not on standby, not draining (WorkerService.join/leave).
+    worker.take_requests_on(
+        Endpoint(subjects.WORKER_GENERATE, TokenizedRequest.decode, worker.generate, refuse=refused,
+                 queue=subjects.WORKER_QUEUE, span="kite.worker.admit"),
+        Endpoint(subjects.worker_generate(rt.instance_id), TokenizedRequest.decode, worker.generate,
+                 refuse=refused, span="kite.worker.admit", name="kite.v1.worker.<instance>.generate"),
+    )
+    # Rounds that wait for their own work (a message due, a stream event, a block), run until shutdown.
+    rt.every(0, worker.control.publish_when_due, "worker telemetry")
+    rt.every(0, worker.publish_next_stream_event, "publishing stream events")
+    rt.every(0, worker.outbox.put_next_block, "handing new blocks to the ru-pool")
+    rt.every(0, worker.outbox.publish_next_cache_events, "publishing cache events to the ru-pool")
+    rt.set_heartbeat_fields(worker.heartbeat_fields)
+    rt.on_drain(worker.drain)
+    await worker.control.start()  # takes requests, unless standing by (KITE_WORKER_STANDBY)
+    return worker
 
 
 def main() -> None:
@@ -20,7 +87,7 @@ def main() -> None:
         start_http_server(worker_cfg.metrics_port, addr="0.0.0.0")
 
     async def setup(rt: ServiceRuntime) -> None:
-        await WorkerService(rt, loaded, worker_cfg).start()
+        await start_worker(rt, loaded, worker_cfg)
 
     run_service("worker", setup)
 

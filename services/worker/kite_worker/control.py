@@ -1,17 +1,18 @@
-"""The worker's control plane (issue 5): telemetry out, arbitrator decisions in, generate subscriptions.
+"""The worker's control plane (issue 5): telemetry out, arbitrator decisions in.
 
 - Telemetry (`kite_shared.messages.WorkerTelemetry` on kite.v1.telemetry.worker) every
-  KITE_TELEMETRY_INTERVAL_S, and at once (at most every 100 ms) when queue depth, running requests or the
-  standby flag change.
-- Generate subscriptions: the queue-group subject (any worker) and this worker's own subject
-  (`subjects.worker_generate(instance)`, where the fingerprinter's router sends). A standby worker
-  (KITE_WORKER_STANDBY) has neither until a `warm_capacity` decision activates it; a scale-in decision
-  removes them again (requests in flight finish). Activation latency = decision issued -> first request
-  accepted, reported in telemetry and logged.
-- Upcycle write policy for ru-pool puts (`WritePolicyFilter`): write_through (every new block), selective
-  (only blocks seen in two requests' prompts: a block computed once is held back and handed over when a
-  second request asks for it), off (nothing). Set by KITE_WORKER_WRITE_POLICY, then by `write_policy`
-  decisions for this worker or "*".
+  KITE_TELEMETRY_INTERVAL_S, and sooner on a significant change: within 100 ms when queue depth, running
+  requests or the standby flag change; at once when asked (`publish_soon`: an activation, a decision, the
+  drain); and right before a stream's last event, whose publisher awaits `publish` (routers see the freed
+  slot before the client can send its next turn).
+- Decisions (kite.v1.arbitrator.decisions) for this worker or "*": `write_policy` sets the Upcycle write
+  policy (kite_worker.write_policy); `warm_capacity` activates a standby worker (KITE_WORKER_STANDBY: model
+  loaded, not taking requests) or scales one in (requests in flight finish). Activation latency = decision
+  issued -> first request accepted, reported in telemetry and logged.
+
+Boundary: the worker service is seen only through the `Worker` protocol below (its load figures; take or
+stop taking requests), the bus only through the runtime (instance id, draining, publish). This module never
+imports kite_worker.service; the service owns a WorkerControl and tells it `accepted()`.
 """
 
 from __future__ import annotations
@@ -19,26 +20,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import statistics
-import threading
 import time
-from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Callable
-
-from nats.aio.msg import Msg
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
 
 from kite_shared import subjects
-from kite_shared.messages import TokenizedRequest, decode_or_log
-from kite_shared.messages import WRITE_POLICIES, Decision, WorkerTelemetry
-
-if TYPE_CHECKING:
-    from kite_worker.service import WorkerService
-    from kite_worker.engine import NewBlock
+from kite_shared.messages import Decision, WorkerTelemetry
+from kite_shared.service import ServiceRuntime
+from kite_worker.write_policy import WritePolicyFilter
 
 log = logging.getLogger(__name__)
 
 _CHANGE_POLL_S = 0.1
-_SEEN_BLOCKS = 65536  # block hashes remembered for the selective policy
-_HELD_BLOCKS = 4096  # computed-once blocks held back (they share tensors with the local cache)
 
 
 def memory_used_fraction() -> float:
@@ -54,125 +48,71 @@ def memory_used_fraction() -> float:
         return 0.0
 
 
-class WritePolicyFilter:
-    """Which newly computed blocks go to the ru-pool. Thread-safe: `filter` runs on the engine thread,
-    `seen` on the asyncio thread."""
+@dataclass(frozen=True)
+class WorkerLoad:
+    """The worker service's figures for one telemetry message."""
 
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
-        self._lock = threading.Lock()
-        self._seen: OrderedDict[bytes, int] = OrderedDict()  # block hash -> requests whose prompt had it
-        self._held: OrderedDict[bytes, "NewBlock"] = OrderedDict()
+    queue_depth: int
+    num_running: int
+    max_running: int
+    running_tokens: int
+    prefill_backlog_tokens: int
+    cache_bytes: int
+    cache_capacity_bytes: int
+    prompt_tokens_reused: int  # since the worker started
+    prompt_tokens_computed: int  # since the worker started
+    prefill_seconds_per_token: float  # 0 = not measured yet
+    decode_seconds_per_token: float
+    healthy: bool  # the engine runs
+    pool_read: bool  # missing prefix blocks are loaded from the ru-pool
+    new_ttft_samples: tuple[float, ...] = ()  # seconds to first token, of requests since the last report
 
-    def set_policy(self, policy: str) -> None:
-        if policy not in WRITE_POLICIES:
-            raise ValueError(f"unknown write policy {policy!r}")
-        with self._lock:
-            self.policy = policy
-            if policy != "selective":
-                self._held.clear()
 
-    def seen(self, block_hashes: list[bytes]) -> list["NewBlock"]:
-        """A request's prompt blocks; returns held-back blocks that are now seen twice (to write)."""
-        release = []
-        with self._lock:
-            for h in block_hashes:
-                n = self._seen.pop(h, 0) + 1
-                self._seen[h] = n
-                if n >= 2 and h in self._held:
-                    release.append(self._held.pop(h))
-            while len(self._seen) > _SEEN_BLOCKS:
-                self._seen.popitem(last=False)
-        return release if self.policy == "selective" else []
+class Worker(Protocol):
+    """What the control plane asks of the worker service (kite_worker.service.WorkerService)."""
 
-    def num_leading_to_write(self, block_hashes: list[bytes]) -> int:
-        """For engines that save blocks themselves (vLLM's connector): how many of a prompt's leading
-        blocks the policy lets through; -1 for all (and the generated ones)."""
-        with self._lock:
-            if self.policy == "write_through":
-                return -1
-            if self.policy == "off":
-                return 0
-            count = 0
-            for h in block_hashes:
-                if self._seen.get(h, 0) < 2:
-                    break
-                count += 1
-            return count
+    def occupancy(self) -> tuple[int, int]:
+        """(queued, running) requests; cheap: polled every 100 ms."""
 
-    def filter(self, blocks: list["NewBlock"]) -> list["NewBlock"]:
-        with self._lock:
-            if self.policy == "write_through":
-                return blocks
-            if self.policy == "off":
-                return []
-            out = []
-            for b in blocks:
-                h = bytes(b.block_hash)
-                if self._seen.get(h, 0) >= 2:
-                    out.append(b)
-                else:
-                    self._held[h] = b
-                    while len(self._held) > _HELD_BLOCKS:
-                        self._held.popitem(last=False)
-            return out
+    def load(self) -> WorkerLoad:
+        """The figures of one telemetry message (hands over the TTFT samples gathered since the last)."""
+
+    async def join(self) -> None:
+        """Take requests (subscribe to the generate subjects)."""
+
+    async def leave(self) -> None:
+        """Stop taking requests; those in flight finish."""
 
 
 class WorkerControl:
-    def __init__(self, service: "WorkerService", standby: bool, write_policy: str, interval_s: float,
-                 window_s: float, on_request: Callable[[Msg], object]) -> None:
-        self.service = service
-        self.rt = service.rt
+    def __init__(self, rt: ServiceRuntime, worker: Worker, writes: WritePolicyFilter, standby: bool,
+                 interval_s: float, window_s: float) -> None:
+        self.rt = rt
+        self.worker = worker
+        self.writes = writes
         self.standby = standby
-        self.writes = WritePolicyFilter(write_policy)
         self.interval_s = interval_s
         self.window_s = window_s
-        self._on_request = on_request
-        self._subs: list = []
-        self._tasks: list[asyncio.Task] = []
         self._ttft: deque[tuple[float, float]] = deque()  # (monotonic, seconds)
         self._hits: deque[tuple[float, int, int]] = deque()  # (monotonic, reused, computed) snapshots
         self._accepted = 0
         self._activation: tuple[str, float] | None = None  # (decision id, issued_at) awaiting a request
         self._activation_id = ""
         self._activation_latency: float | None = None
+        self._wanted = asyncio.Event()  # publish at once
+        self._wanted.set()  # the first message goes out when the loop starts
         self._last_shape: tuple | None = None
         self._last_sent = 0.0
 
     async def start(self) -> None:
-        await self.rt.nc.subscribe(subjects.DECISIONS, cb=self._on_decision)
-        if not self.standby:
-            await self.join()
-        else:
+        """Take requests, unless standing by (KITE_WORKER_STANDBY) until a decision activates this worker."""
+        if self.standby:
             log.info("standing by: model loaded, not taking requests until activated")
-        self._tasks.append(asyncio.create_task(self._loop()))
+        else:
+            await self.worker.join()
 
-    async def join(self) -> None:
-        """Take requests: the queue group and this worker's own subject."""
-        if self._subs:
-            return
-        self._subs = [
-            await self.rt.nc.subscribe(subjects.WORKER_GENERATE, queue=subjects.WORKER_QUEUE, cb=self._on_request),
-            await self.rt.nc.subscribe(subjects.worker_generate(self.rt.instance_id), cb=self._on_request),
-        ]
-
-    async def leave(self) -> None:
-        """Stop taking requests (drain, scale-in); in-flight ones finish."""
-        subs, self._subs = self._subs, []
-        for sub in subs:
-            try:
-                await sub.unsubscribe()
-            except Exception as exc:
-                log.debug("unsubscribe failed: %s", exc)
-
-    async def stop(self) -> None:
-        await self.leave()
-        for task in self._tasks:
-            task.cancel()
-
-    # --- hooks called by WorkerService --------------------------------------------------------------
-    def accepted(self, request: TokenizedRequest) -> list["NewBlock"]:
-        """A request was admitted: activation latency, and blocks the selective policy now releases."""
+    def accepted(self) -> None:
+        """A request was admitted (the first one after an activation measures its latency)."""
         self._accepted += 1
         if self._activation is not None:
             decision_id, issued_at = self._activation
@@ -181,16 +121,12 @@ class WorkerControl:
             self._activation_latency = max(0.0, time.time() - issued_at)
             log.info("activation %s -> first accepted request: %.1f ms", decision_id,
                      1000 * self._activation_latency)
-            self._last_shape = None  # publish now
-        return self.writes.seen([bytes(h) for h in request.block_hashes])
-
-    def ttft(self, seconds: float) -> None:
-        self._ttft.append((time.monotonic(), seconds))
+            self.publish_soon()
 
     # --- decisions ------------------------------------------------------------------------------------
-    async def _on_decision(self, msg: Msg) -> None:
-        d = decode_or_log(Decision.decode, msg.data, log, "bad decision")
-        if d is None or d.target not in ("*", self.rt.instance_id):
+    async def on_decision(self, d: Decision) -> None:
+        """Handler of kite.v1.arbitrator.decisions (an event: no reply)."""
+        if d.target not in ("*", self.rt.instance_id):
             return
         if d.action == "write_policy" and d.write_policy and d.write_policy != self.writes.policy:
             log.info("write policy %s -> %s (decision %s: %s)", self.writes.policy, d.write_policy,
@@ -200,69 +136,72 @@ class WorkerControl:
                 and not d.refresh and not self.rt.draining:
             if d.standby:
                 log.info("scale-in to standby (decision %s: %s)", d.decision_id, d.reason)
-                await self.leave()
+                await self.worker.leave()
             else:
                 log.info("activated (decision %s: %s)", d.decision_id, d.reason)
                 self._activation = (d.decision_id, d.issued_at)
-                await self.join()
+                await self.worker.join()
             self.standby = d.standby
-            await self.publish()
+            self.publish_soon()
 
     # --- telemetry ----------------------------------------------------------------------------------
     def snapshot(self) -> WorkerTelemetry:
-        svc = self.service
-        engine = svc.loaded.engine
-        sched = svc.scheduler
-        svc._update_metrics()  # drains TTFT samples into the histogram and into self.ttft
+        load = self.worker.load()
         now = time.monotonic()
-        self._hits.append((now, engine.num_prompt_tokens_reused, engine.num_prompt_tokens_computed))
+        self._ttft.extend((now, s) for s in load.new_ttft_samples)
+        self._hits.append((now, load.prompt_tokens_reused, load.prompt_tokens_computed))
         while self._hits and now - self._hits[0][0] > self.window_s:
             self._hits.popleft()
         while self._ttft and now - self._ttft[0][0] > self.window_s:
             self._ttft.popleft()
         _, reused0, computed0 = self._hits[0]
-        reused = engine.num_prompt_tokens_reused - reused0
-        total = reused + engine.num_prompt_tokens_computed - computed0
+        reused = load.prompt_tokens_reused - reused0
+        total = reused + load.prompt_tokens_computed - computed0
         samples = sorted(s for _, s in self._ttft)
-        running_tokens, backlog = sched.load_snapshot()
-        cache = engine.block_cache
         return WorkerTelemetry(
-            instance_id=self.rt.instance_id, queue_depth=sched.num_queued, num_running=sched.num_running,
-            max_running=sched.max_running, running_tokens=running_tokens, prefill_backlog_tokens=backlog,
-            cache_bytes=cache.num_bytes, cache_capacity_bytes=cache.capacity_bytes,
+            instance_id=self.rt.instance_id, queue_depth=load.queue_depth, num_running=load.num_running,
+            max_running=load.max_running, running_tokens=load.running_tokens,
+            prefill_backlog_tokens=load.prefill_backlog_tokens,
+            cache_bytes=load.cache_bytes, cache_capacity_bytes=load.cache_capacity_bytes,
             memory_used_fraction=memory_used_fraction(),
             local_hit_rate=round(reused / total, 4) if total else 0.0, prompt_tokens_window=total,
-            prefill_tokens_per_s=round(1 / engine.prefill_seconds_per_token, 1)
-            if engine.prefill_seconds_per_token > 0 else 0.0,
-            decode_tokens_per_s=round(1 / engine.decode_seconds_per_token, 1)
-            if engine.decode_seconds_per_token > 0 else 0.0,
+            prefill_tokens_per_s=round(1 / load.prefill_seconds_per_token, 1)
+            if load.prefill_seconds_per_token > 0 else 0.0,
+            decode_tokens_per_s=round(1 / load.decode_seconds_per_token, 1)
+            if load.decode_seconds_per_token > 0 else 0.0,
             ttft_p50_s=round(statistics.median(samples), 4) if samples else 0.0,
             ttft_p99_s=round(samples[min(len(samples) - 1, int(0.99 * len(samples)))], 4) if samples else 0.0,
-            ttft_samples=len(samples), healthy=sched.alive and not self.rt.draining,
+            ttft_samples=len(samples), healthy=load.healthy and not self.rt.draining,
             standby=self.standby, draining=self.rt.draining, write_policy=self.writes.policy,
-            pool_read=svc.pool_read,
+            pool_read=load.pool_read,
             requests_accepted=self._accepted, activation_decision_id=self._activation_id,
             activation_latency_s=self._activation_latency)
 
     def publish_soon(self) -> None:
-        """Publish now (a request finished): scheduled before the stream's last event goes out."""
-        task = asyncio.ensure_future(self.publish())
-        self._tasks.append(task)
-        task.add_done_callback(self._tasks.remove)
+        """Have the telemetry loop publish at once (it is woken, not waited for)."""
+        self._wanted.set()
 
     async def publish(self) -> None:
-        try:
-            t = self.snapshot()
-            self._last_shape = (t.queue_depth, t.num_running, t.standby)
-            self._last_sent = time.monotonic()
-            await self.rt.nc.publish(subjects.telemetry("worker"), t.encode())
-        except Exception as exc:  # reconnecting: the next one goes out
-            log.debug("telemetry not sent: %s", exc)
+        """Publish telemetry now. Raises what publishing raises: the caller reports it (the runtime's loop)."""
+        self._wanted.clear()
+        self._last_shape = self._shape()  # before the snapshot: a failing one is retried at the next change
+        self._last_sent = time.monotonic()
+        await self.rt.nc.publish(subjects.telemetry("worker"), self.snapshot().encode())
 
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(_CHANGE_POLL_S)
-            sched = self.service.scheduler
-            shape = (sched.num_queued, sched.num_running, self.standby)
-            if shape != self._last_shape or time.monotonic() - self._last_sent >= self.interval_s:
-                await self.publish()
+    async def publish_when_due(self) -> None:
+        """One round of the telemetry loop, which the runtime runs until shutdown (rt.every with no pause:
+        this round waits by itself): wait until a message is due, then publish it."""
+        while not self._due():
+            try:
+                async with asyncio.timeout(_CHANGE_POLL_S):
+                    await self._wanted.wait()
+            except TimeoutError:
+                pass
+        await self.publish()
+
+    def _due(self) -> bool:
+        return (self._wanted.is_set() or self._shape() != self._last_shape
+                or time.monotonic() - self._last_sent >= self.interval_s)
+
+    def _shape(self) -> tuple:
+        return (*self.worker.occupancy(), self.standby)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from kite_shared.config import CommonConfig, TierConfig, load
+from kite_shared.endpoints import run_every
 from kite_shared.fingerprint import BlockHash
 from kite_shared.recyclable_unit import TORCH_DTYPE_TO_CODEC, RecyclableUnit
 from kite_shared.security import ru_key, tenant_tag
@@ -137,7 +138,9 @@ class KVAgent:
                                  self.options.unit_shape, self.options.storage_dtype, mac_key=ru_key(),
                                  staging_bytes=0)  # staging is the files below, not the loader's memory
         self._announcements: asyncio.Queue[list[tuple[str, list[BlockHash]]]] = asyncio.Queue()
-        self._announcer = asyncio.create_task(self._send_announcements())
+        # No service runtime in vLLM's process: the same periodic work that survives failures, ended with the loop.
+        self._announcer = asyncio.create_task(run_every(0, self._send_next_announcement,
+                                                        "announcing cache changes to the ru-pool"))
         self._ready.set()
         log.info("KV agent connected to NATS %s (pool reads %s, writes %s)", _masked(common.nats_url),
                  "on" if self.options.pool_read else "off", "on" if self.options.pool_write else "off")
@@ -287,16 +290,15 @@ class KVAgent:
         if changes and self._ready.is_set():
             self._loop.call_soon_threadsafe(self._announcements.put_nowait, changes)
 
-    async def _send_announcements(self) -> None:
+    async def _send_next_announcement(self) -> None:
         fingerprint = self.options.model_fingerprint
-        while True:
-            for kind, hashes in await self._announcements.get():
-                if kind == "stored":
-                    await self.pool.block_stored(fingerprint, [bytes(h) for h in hashes])
-                elif kind == "removed":
-                    await self.pool.block_removed(fingerprint, [bytes(h) for h in hashes])
-                else:
-                    await self.pool.block_removed(fingerprint, [], all_blocks=True)
+        for kind, hashes in await self._announcements.get():
+            if kind == "stored":
+                await self.pool.block_stored(fingerprint, [bytes(h) for h in hashes])
+            elif kind == "removed":
+                await self.pool.block_removed(fingerprint, [bytes(h) for h in hashes])
+            else:
+                await self.pool.block_removed(fingerprint, [], all_blocks=True)
 
 
 def _masked(url: str) -> str:

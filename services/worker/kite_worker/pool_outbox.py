@@ -1,0 +1,99 @@
+"""What the reference engine tells the ru-pool: new blocks (recyclable units) and cache events.
+
+The engine thread hands over new blocks (`add_blocks`, filtered by the write policy) and changes of its local
+cache (`add_cache_events`) without ever waiting; two rounds that the runtime runs until shutdown send them
+(`put_next_block`, `publish_next_cache_events`). The block outbox is bounded: when full, blocks are dropped
+rather than slowing generation (the local cache still has them). The drain waits for `flush`.
+
+Boundary: the pool client, the model's fingerprint and the write policy in; no scheduler, no engine. (On
+vLLM the KV connector saves blocks and reports cache events itself, inside vLLM's processes.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+
+import torch
+from prometheus_client import Counter
+
+from kite_shared.recyclable_unit import TORCH_DTYPE_TO_CODEC, RecyclableUnit
+from kite_shared.security import ru_key
+from kite_shared.tiers.pool_client import PoolClient
+from kite_worker.block_cache import CacheEvent
+from kite_worker.engine import NewBlock
+from kite_worker.write_policy import WritePolicyFilter
+
+POOL_DROPPED = Counter("kite_worker_pool_blocks_dropped_total",
+                       "New blocks not handed to the ru-pool because its outbox was full")
+
+POOL_OUTBOX_BLOCKS = 4096
+_POLL_S = 0.25  # a thread waits this long for a block: never longer, so shutdown never waits on one
+
+
+class PoolOutbox:
+    def __init__(self, pool: PoolClient, fingerprint_hex: str, writes: WritePolicyFilter, enabled: bool,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.pool = pool
+        self.fingerprint_hex = fingerprint_hex
+        self.writes = writes
+        self.enabled = enabled  # KITE_WORKER_POOL_WRITE
+        self._loop = loop
+        self._blocks: queue.Queue[NewBlock] = queue.Queue(maxsize=POOL_OUTBOX_BLOCKS)
+        self._cache_events: asyncio.Queue[list[CacheEvent]] = asyncio.Queue()
+
+    # --- any thread ---------------------------------------------------------------------------------
+    def add_blocks(self, blocks: list[NewBlock], filtered: bool = False) -> None:
+        """New blocks for the pool, through the write policy unless `filtered` (blocks it released)."""
+        if not self.enabled:
+            return
+        if not filtered:
+            blocks = self.writes.filter(blocks)
+        for block in blocks:
+            try:
+                self._blocks.put_nowait(block)
+            except queue.Full:
+                POOL_DROPPED.inc()
+
+    def add_cache_events(self, events: list[CacheEvent]) -> None:
+        self._loop.call_soon_threadsafe(self._cache_events.put_nowait, events)
+
+    # --- rounds the runtime runs until shutdown (rt.every with no pause: each waits by itself) ------------
+    async def put_next_block(self) -> None:
+        """Encode the next block and put it in the pool (waits at most _POLL_S for one)."""
+        try:
+            block = await asyncio.to_thread(self._blocks.get, True, _POLL_S)
+        except queue.Empty:
+            return
+        try:
+            data = await asyncio.to_thread(self.encode_block, block)
+            await self.pool.put(data)
+        finally:
+            self._blocks.task_done()
+
+    async def publish_next_cache_events(self) -> None:
+        """Tell the ru-pool's index what this worker's cache now holds (routing uses it)."""
+        events = await self._cache_events.get()
+        while not self._cache_events.empty():
+            events += self._cache_events.get_nowait()
+        stored = [bytes(e.block_hash) for e in events if e.kind == "stored"]
+        removed = [bytes(e.block_hash) for e in events if e.kind == "removed"]
+        if removed:
+            await self.pool.block_removed(self.fingerprint_hex, removed)
+        if stored:
+            await self.pool.block_stored(self.fingerprint_hex, stored)
+
+    async def flush(self) -> None:
+        """Return once every block queued so far has been handed to the pool (or failed to be)."""
+        while self._blocks.unfinished_tasks:
+            await asyncio.sleep(0.05)
+
+    def encode_block(self, block: NewBlock) -> bytes:
+        kv = block.kv
+        return RecyclableUnit(
+            block_hash=bytes(block.block_hash), parent_hash=bytes(block.parent_hash),
+            model_fingerprint=self.fingerprint_hex, block_index=block.block_index,
+            num_tokens=kv.shape[3], codec=TORCH_DTYPE_TO_CODEC[str(kv.dtype).removeprefix("torch.")],
+            shape=tuple(kv.shape), payload=kv.contiguous().view(torch.uint8).numpy().tobytes(),
+            tenant_tag=block.tenant_tag,
+        ).encode(key=ru_key())

@@ -1,0 +1,172 @@
+"""The worker service's handlers and drain without NATS or a model (kite_worker.service): admission through
+the generate endpoint as the entrypoint declares it, cancellation, stream events after telemetry, the drain.
+The bus and the scheduler are stand-ins; over real NATS and a real model: tests/integration/test_faults.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+
+from kite_shared import subjects
+from kite_shared.config import CommonConfig, WorkerConfig, load
+from kite_shared.endpoints import Endpoint
+from kite_shared.messages import (Admission, Cancel, SamplingParams, StreamEnd, TokenChunk, TokenizedRequest,
+                                  Usage, WorkerTelemetry)
+from kite_shared.service import ServiceRuntime
+from kite_worker.__main__ import refused
+from kite_worker.engine import RequestRejected
+from kite_worker.service import LoadedModel, WorkerService
+
+
+class Bus:
+    """What the service uses of a nats-py client."""
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, bytes]] = []
+        self.subscribed: dict[str, object] = {}
+        self.is_connected = True
+        self.fail_telemetry = False
+
+    async def publish(self, subject: str, data: bytes) -> None:
+        if self.fail_telemetry and subject == subjects.telemetry("worker"):
+            raise RuntimeError("telemetry broke")
+        self.published.append((subject, data))
+
+    async def subscribe(self, subject: str, queue: str = "", cb=None):
+        bus = self
+
+        class Subscription:
+            async def unsubscribe(self) -> None:
+                bus.subscribed.pop(subject)
+
+        self.subscribed[subject] = cb
+        return Subscription()
+
+
+class StandInScheduler:
+    max_running = 2
+
+    def __init__(self) -> None:
+        self.enqueued: list[str] = []
+        self.cancelled: list[str] = []
+        self.active: set[str] = set()
+        self.stopped = False
+        self.ttft_samples: deque[float] = deque()
+        self.alive = True
+
+    num_queued = property(lambda self: 0)
+    num_running = property(lambda self: len(self.active))
+
+    def load_snapshot(self) -> tuple[int, int]:
+        return 0, 0
+
+    def reserve(self, request: TokenizedRequest):
+        if request.request_id.startswith("overload"):
+            raise RequestRejected("overloaded", "worker queue is full")
+        self.active.add(request.request_id)
+        return SimpleNamespace(request=request, request_id=request.request_id, reuse=False)
+
+    def enqueue(self, seq) -> None:
+        self.enqueued.append(seq.request_id)
+
+    def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+
+    def cancel_all(self) -> None:
+        self.cancelled.append("*")
+        self.active.clear()
+
+    def idle(self) -> bool:
+        return not self.active
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+@pytest.fixture()
+async def worker() -> WorkerService:
+    rt = ServiceRuntime("worker", load(CommonConfig, instance_id="w1"))
+    rt.nc = Bus()
+    engine = SimpleNamespace(options=SimpleNamespace(reuse=True), num_prompt_tokens_reused=0,
+                             num_prompt_tokens_computed=0, prefill_seconds_per_token=0.0,
+                             decode_seconds_per_token=0.0,
+                             block_cache=SimpleNamespace(num_bytes=0, capacity_bytes=1))
+    loaded = LoadedModel(SimpleNamespace(name="m", max_context_tokens=64),
+                         SimpleNamespace(fingerprint_hex="ab" * 32), engine)
+    service = WorkerService(rt, loaded, load(WorkerConfig, pool_read=False, pool_write=False, standby=False))
+    service.scheduler = StandInScheduler()
+    await service.start()
+    generate = Endpoint(subjects.WORKER_GENERATE, TokenizedRequest.decode, service.generate, refuse=refused,
+                        queue=subjects.WORKER_QUEUE, span="kite.worker.admit")
+    service.take_requests_on(generate)
+    await service.control.start()
+    return service
+
+
+def request(request_id: str) -> bytes:
+    return TokenizedRequest(request_id=request_id, model="m", prompt_token_ids=[1, 2, 3],
+                            sampling=SamplingParams(max_tokens=4), reuse=True, model_fingerprint="ab" * 32,
+                            block_size=16, block_hashes=[], stream_subject="kite.v1.stream.g.r",
+                            created_at=0.0).encode()
+
+
+async def admit(worker: WorkerService, data: bytes) -> Admission:
+    endpoint = Endpoint(subjects.WORKER_GENERATE, TokenizedRequest.decode, worker.generate, refuse=refused)
+    return await endpoint.answer(data)
+
+
+async def test_admission_accepts_refuses_and_rejects_bad_messages(worker):
+    assert subjects.WORKER_GENERATE in worker.rt.nc.subscribed  # joined: not standing by
+    reply = await admit(worker, request("r1"))
+    assert reply.accepted and reply.worker_id == "w1" and reply.prompt_tokens == 3
+    assert worker.scheduler.enqueued == ["r1"] and worker.control.snapshot().requests_accepted == 1
+    reply = await admit(worker, request("overloaded-1"))
+    assert not reply.accepted and reply.error.code == "overloaded"
+    reply = await admit(worker, b"\x00 not a request")
+    assert not reply.accepted and reply.error.code == "invalid_message"
+    worker.rt.draining = True
+    reply = await admit(worker, request("r2"))
+    assert not reply.accepted and reply.error.code == "shutting_down"
+    await worker.cancel(Cancel(request_id="r1"))
+    assert worker.scheduler.cancelled == ["r1"]
+
+
+async def test_a_streams_last_event_follows_telemetry_even_when_telemetry_fails(worker):
+    bus = worker.rt.nc
+    bus.published.clear()  # (the ru-pool heard at start that this worker's cache is empty)
+    end = StreamEnd(request_id="r1", seq=1, finish_reason="length",
+                    usage=Usage(prompt_tokens=3, completion_tokens=1))
+    worker._emit_from_engine("s", TokenChunk(request_id="r1", seq=0, token_ids=[5], text="x"))
+    worker._emit_from_engine("s", end)
+    await asyncio.sleep(0)  # the hand-over is scheduled on the loop
+    await worker.publish_next_stream_event()
+    await worker.publish_next_stream_event()
+    assert [s for s, _ in bus.published] == ["s", subjects.telemetry("worker"), "s"]
+    assert WorkerTelemetry.decode(bus.published[1][1]).instance_id == "w1"
+    bus.fail_telemetry = True
+    worker._emit_from_engine("s", end)
+    await asyncio.sleep(0)
+    with pytest.raises(RuntimeError):  # reported by the runtime's loop ...
+        await worker.publish_next_stream_event()
+    assert bus.published[-1][0] == "s" and worker._unsent == 0  # ... and the stream still ends
+
+
+async def test_drain_leaves_first_and_cancels_everything_once_the_bus_is_gone(worker):
+    bus = worker.rt.nc
+    assert (await admit(worker, request("r1"))).accepted
+    worker.rt.draining = True
+    drain = asyncio.ensure_future(worker.drain())
+    await asyncio.sleep(0.2)
+    assert subjects.WORKER_GENERATE not in bus.subscribed and not drain.done()  # waits for r1
+    bus.is_connected = False
+    await asyncio.wait_for(drain, 2)
+    assert worker.scheduler.cancelled == ["*"] and worker.scheduler.stopped
