@@ -20,8 +20,9 @@ from kite_cli import pool_admin
 from kite_cli.local_servers import free_port, start_redis
 from kite_ru_pool.core import COLD
 from kite_ru_pool.service import PoolService
+from kite_shared import subjects
 from kite_shared.config import RuPoolConfig, TierConfig, load
-from kite_shared.messages import PoolAdminRequest
+from kite_shared.messages import PoolAdminReply, PoolAdminRequest, PoolGetReply, PoolLookupReply
 from kite_shared.recyclable_unit import RecyclableUnit, decode
 from kite_shared.security import ANONYMOUS_TENANT, ru_key, tenant_tag
 from kite_shared.tiers import metrics
@@ -422,6 +423,18 @@ async def test_worker_local_caches_show_in_lookups(pools, client):
     await asyncio.sleep(0.1)
     r = await client.lookup(fp, hashes)
     assert r.workers == {"w-test": 1} and r.pool == 0
+
+
+async def test_bad_requests_are_answered_with_error_codes_and_the_pool_goes_on(pools, client):
+    await pools.start()
+    for subject, reply_type in ((subjects.POOL_LOOKUP, PoolLookupReply), (subjects.POOL_GET, PoolGetReply),
+                                (subjects.POOL_ADMIN, PoolAdminReply)):
+        reply = reply_type.decode((await client.nc.request(subject, b"\xc1 junk", timeout=5)).data)
+        assert reply.error.code == "invalid_message", reply
+    refused = await client.admin(PoolAdminRequest(op="pin"))
+    assert not refused.ok and refused.error.code == "bad_request" and refused.error.param == "model_fingerprint"
+    fp = new_fp()
+    assert (await client.lookup(fp, [h for h, _ in make_chain(fp, 2)])).pool == 0  # still answering
 
 
 async def test_admin_cli_stats_clear_and_purge(pools, client, env, capsys):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from kite_ru_pool.core import COLD
-from kite_ru_pool.service import SWEEP_STEP_ENTRIES
+from kite_ru_pool.maintenance import SWEEP_STEP_ENTRIES
 from kite_ru_pool.telemetry import pool_telemetry
 from kite_shared.tiers.keys import BlockKey
 from tests.integration.test_ru_pool_service import env, new_fp, pools  # noqa: F401  (fixtures)

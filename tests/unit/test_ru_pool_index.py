@@ -1,8 +1,11 @@
-"""ru-pool core: longest-prefix lookups per tier and per worker, invalidation, worker events."""
+"""ru-pool block index (kite_ru_pool.index), alone and through PoolCore: longest-prefix lookups per tier,
+the tenant ledger kept in step, invalidation, dedupe. Worker caches: test_ru_pool_worker_caches.py."""
 
 import time
 
 from kite_ru_pool.core import COLD, HOT, WARM, PoolCore
+from kite_ru_pool.index import BlockIndex
+from kite_ru_pool.tenants import Tenants
 from kite_shared.tiers.keys import BlockKey, model_tag
 
 FP = "11" * 32
@@ -55,32 +58,6 @@ def test_other_models_blocks_do_not_count():
     assert c.lookup(FP2, CHAIN).warm == 4
 
 
-def test_worker_local_caches_from_events():
-    c = core()
-    c.worker_stored("w1", FP, CHAIN[:6], seq=1, now=1.0)
-    c.worker_stored("w2", FP, CHAIN[:2] + CHAIN[3:5], seq=1, now=1.0)
-    c.worker_stored("w3", FP2, CHAIN, seq=1, now=1.0)
-    c.worker_removed("w1", FP, [CHAIN[4]], all_blocks=False, seq=2, now=2.0)
-    r = c.lookup(FP, CHAIN)
-    assert r.workers == {"w1": 4, "w2": 2, "w3": 0}
-    assert c.lookup(FP, CHAIN, include_workers=False).workers == {}
-    c.worker_removed("w2", "", [], all_blocks=True, seq=2, now=3.0)
-    assert c.lookup(FP, CHAIN).workers == {"w1": 4, "w3": 0}
-
-
-def test_worker_event_gaps_are_counted_and_stale_workers_found():
-    c = core()
-    c.worker_stored("w1", FP, CHAIN[:1], seq=1, now=10.0)
-    c.worker_stored("w1", FP, CHAIN[1:2], seq=2, now=10.0)
-    assert c.counters.worker_event_gaps == 0
-    c.worker_stored("w1", FP, CHAIN[2:3], seq=5, now=10.0)  # 3 and 4 were lost
-    assert c.counters.worker_event_gaps == 1
-    c.worker_stored("w2", FP, CHAIN[:1], seq=1, now=40.0)
-    assert c.stale_workers(now=45.0, after_s=30.0) == ["w1"]
-    c.worker_alive("w1", now=44.0)
-    assert c.stale_workers(now=45.0, after_s=30.0) == []
-
-
 def test_new_fingerprint_invalidates_the_old_one_for_lookups_and_puts():
     c = core()
     for i in range(3):
@@ -125,3 +102,20 @@ def test_lookup_of_128_blocks_is_fast():
     per_lookup = (time.perf_counter() - started) / 200
     assert r.pool == 128 and r.workers["w0"] == 64
     assert per_lookup < 0.0005, per_lookup  # the whole budget is 2 ms p99 including NATS
+
+
+def test_the_index_alone_keeps_the_tenant_ledgers_in_step_and_answers_prefixes():
+    tenants = Tenants()
+    index = BlockIndex(tenants)
+    k0, k1 = (BlockKey.of(FP, CHAIN[i], "t1") for i in range(2))
+    index.note_stored(k0, WARM, 100, now=1.0)
+    index.note_stored(k0, COLD, 120, now=2.0)  # the same block, another tier (and a corrected size)
+    index.note_stored(k1, HOT, 50, now=2.0)
+    assert (len(tenants.ledgers["t1"].blocks), tenants.ledgers["t1"].num_bytes) == (2, 170)
+    assert index.prefixes(model_tag(FP), CHAIN, HOT | WARM | COLD) == (0, 1, 1, 2, b"wh")
+    assert index.prefixes(model_tag(FP), CHAIN, HOT) == (0, 0, 0, 0, b"")
+    assert index.note_missing(k1, HOT) == k1  # the owner as the index knows it
+    assert index.note_missing(BlockKey.of(FP, CHAIN[5]), HOT) is None
+    assert (len(tenants.ledgers["t1"].blocks), tenants.ledgers["t1"].num_bytes) == (1, 120)
+    assert index.forget_tags(None) == ([model_tag(FP)], 1)
+    assert tenants.ledgers["t1"].num_bytes == 0 and index.pending_purges == {"*"}

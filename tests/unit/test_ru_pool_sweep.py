@@ -1,4 +1,4 @@
-"""The ru-pool sweep walked in slices (core.SweepPass, issue 4): same decisions as one whole-index pass,
+"""The ru-pool sweep walked in slices (lifecycle.SweepPass, issue 4): same decisions as one whole-index pass,
 bounded work per step, defined behaviour when the index changes between steps; the tier totals; the GC
 freeze policy and the event-loop lag probe."""
 
@@ -33,7 +33,7 @@ def core(**kw) -> PoolCore:
 def reference_sweep(c: PoolCore, now: float, warm_up: bool, cold_up: bool) -> list:
     """The sweep as it was before issue 4 (sort every entry, then decide): the specification."""
     candidates = []
-    for tag, models in c._models.items():
+    for tag, models in c.index.models.items():
         if c.is_tag_invalidated(tag):
             continue
         for h, e in models.items():
@@ -56,7 +56,7 @@ def reference_sweep(c: PoolCore, now: float, warm_up: bool, cold_up: bool) -> li
 
 def reference_totals(c: PoolCore) -> dict[str, tuple[int, int]]:
     totals = {name: [0, 0] for name in TIER_BITS}
-    for models in c._models.values():
+    for models in c.index.models.values():
         for e in models.values():
             for name, bit in TIER_BITS.items():
                 if e.tiers & bit:

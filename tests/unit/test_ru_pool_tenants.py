@@ -1,6 +1,8 @@
-"""ru-pool core, tenants: the per-tenant ledger, quota evictions (exact order) and refusals, clears."""
+"""ru-pool tenants (kite_ru_pool.tenants), alone and through PoolCore: the per-tenant ledger, quota evictions
+(exact order) and refusals, clears."""
 
 from kite_ru_pool.core import COLD, HOT, QUOTA_EVICT_TO, WARM, DropBlock, PoolCore
+from kite_ru_pool.tenants import Tenants
 from kite_shared.security import ANONYMOUS_TENANT_TAG, tenant_tag
 from kite_shared.tiers.keys import BlockKey
 
@@ -182,3 +184,23 @@ def test_evict_forgets_blocks_pins_and_their_bytes_for_their_owner_only():
     assert usage(c, ACME) == (9, 900)
     # An evicted block stored again is a new put, not a duplicate.
     assert c.admit_put(key(1)) == "store"
+
+
+def test_quota_victims_alone_least_recent_then_deepest_then_by_key():
+    t = Tenants(quota_bytes=1000, quotas={BETA: 0})
+    for i in range(5):
+        t.added(ACME, ("m", bytes([i])))
+    t.resized(ACME, 1000)
+    assert t.quota_victims(BETA, 10**6, iter(())) == []  # no quota: nothing asked
+    assert t.quota_victims(ACME, 0, iter(())) == []  # fits as it is: candidates never read
+    # (last hit, depth, tag, hash, size): 1.2 and 1.7 share the one-second grain, so the deeper goes
+    # first; 0.5 is older than both. 1000 + 100 - 900 = 200 bytes to free: the two oldest by that order.
+    candidates = [(1.2, 3, "m", b"\1", 100), (1.7, 5, "m", b"\2", 100), (0.5, 0, "m", b"\3", 100),
+                  (9.0, 0, "m", b"\4", 700)]
+    assert t.quota_victims(ACME, 100, candidates) == [("m", b"\3"), ("m", b"\2")]
+    assert t.ledgers[ACME].quota_evictions == 2
+    assert t.quota_victims(ACME, 100, [(0.0, 0, "m", b"\1", 50)]) is None  # not enough to free
+    assert t.quota_victims(ACME, 1001, candidates) is None  # larger than the quota itself
+    assert t.ledgers[ACME].quota_refused == 2
+    t.removed(ACME, ("m", bytes([0])), 200)
+    assert t.usage(ACME)[ACME].num_bytes == 800 and len(t.usage()[ACME].blocks) == 4

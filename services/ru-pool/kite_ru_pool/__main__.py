@@ -1,4 +1,5 @@
-"""Entrypoint: `kite-ru-pool` / `python -m kite_ru_pool`."""
+"""Entrypoint: `kite-ru-pool` / `python -m kite_ru_pool`: configuration, the NATS connection
+(kite_shared.service.run_service), the pool with its handler table and periodic work, drain on SIGTERM."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ async def setup(rt: ServiceRuntime) -> None:
         log.info("metrics on :%d/metrics", cfg.metrics_port)
     # This process is the pool's own: keep the cyclic GC off its index (gc_freeze).
     pool = PoolService(cfg, tier_cfg, rt.nc, instance_id=rt.instance_id, freeze_gc=True)
-    await pool.start()
+    await pool.start(rt)  # the tiers, the index rebuild, handlers.py's endpoints, the periodic work
+    # On SIGTERM: stop taking work, finish the background writes, close the tiers; then NATS drains.
     rt.on_drain(pool.stop)
 
 

@@ -1,17 +1,19 @@
 """The ru-pool's telemetry (issue 5): tier health, fill and hit rates, from `PoolService.stats()`; and
-the event-loop lag probe (issue 4) behind `kite_pool_event_loop_lag_seconds`."""
+the event-loop lag probe (issue 4) behind `kite_pool_event_loop_lag_seconds`.
+
+Boundary: builds messages and observes a histogram; publishing and scheduling are the service runtime's
+(kite_shared.service: `publish_every`, `every`), started by service.PoolService.start.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import logging
+from typing import Callable
 
 from prometheus_client import Histogram
 
-from kite_shared import subjects
+from kite_shared.endpoints import run_every
 from kite_shared.messages import PoolTelemetry
-
-log = logging.getLogger(__name__)
 
 # Every handler shares one event loop, so anything that holds it (a long synchronous walk, a full GC
 # pass) delays every request by as much. The probe sleeps LOOP_LAG_PROBE_S and records how late it
@@ -38,20 +40,17 @@ def pool_telemetry(pool, instance_id: str) -> PoolTelemetry:
                          index_blocks=stats.counters.get("index_blocks", 0))
 
 
-async def publish_loop(pool, instance_id: str, interval_s: float) -> None:
-    """Every `interval_s`: PoolTelemetry on kite.v1.telemetry.ru-pool (never raises)."""
-    while True:
-        try:
-            await pool.nc.publish(subjects.telemetry("ru-pool"), pool_telemetry(pool, instance_id).encode())
-        except Exception as exc:  # reconnecting, or stats failed: the next one goes out
-            log.debug("pool telemetry not sent: %s", exc)
-        await asyncio.sleep(interval_s)
-
-
-async def loop_lag_probe(interval_s: float = LOOP_LAG_PROBE_S, observe=EVENT_LOOP_LAG.observe) -> None:
-    """Sleep `interval_s` again and again, observing how late each wake-up was (runs until cancelled)."""
+async def probe_loop_lag(interval_s: float = LOOP_LAG_PROBE_S,
+                         observe: Callable[[float], None] = EVENT_LOOP_LAG.observe) -> None:
+    """One probe: sleep `interval_s` and observe how late the wake-up was. The service runs probes back
+    to back through its runtime (`rt.every(0, probe_loop_lag, ...)`)."""
     loop = asyncio.get_running_loop()
-    while True:
-        due = loop.time() + interval_s
-        await asyncio.sleep(interval_s)
-        observe(max(0.0, loop.time() - due))
+    due = loop.time() + interval_s
+    await asyncio.sleep(interval_s)
+    observe(max(0.0, loop.time() - due))
+
+
+async def loop_lag_probe(interval_s: float = LOOP_LAG_PROBE_S,
+                         observe: Callable[[float], None] = EVENT_LOOP_LAG.observe) -> None:
+    """Probes back to back until cancelled, as the service runs them."""
+    await run_every(0.0, lambda: probe_loop_lag(interval_s, observe), "event-loop lag probe")

@@ -1,0 +1,125 @@
+"""Admin: the operations of `kite pool` (PoolAdminRequest on kite.v1.pool.admin): stats, clear, purge,
+evict, pin and unpin; and the stats that the telemetry reports too.
+
+Boundary: calls the pure core (core.PoolCore) for what to forget or pin, tier_io.TierIO for what that
+means in storage, and maintenance.Maintenance for storage purges and the last sweep's totals. Refuses a
+request it cannot act on by raising kite_shared.endpoints.Refusal (the handler table turns it into the
+reply); knows nothing of NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+from kite_shared import security
+from kite_shared.endpoints import Refusal
+from kite_shared.messages import ErrorInfo, PoolAdminReply, PoolAdminRequest, TenantUsage, TierStats
+from kite_shared.tiers.keys import model_tag
+from kite_ru_pool.core import COLD, HOT, WARM, PoolCore
+from kite_ru_pool.maintenance import Maintenance
+from kite_ru_pool.tier_io import TierIO
+
+log = logging.getLogger(__name__)
+
+MAX_TENANTS_IN_STATS = 1000  # the largest tenants by bytes; keeps an all-tenant stats reply far under max_payload
+
+
+class PoolAdmin:
+    def __init__(self, core: PoolCore, io: TierIO, maintenance: Maintenance) -> None:
+        self.core = core
+        self.io = io
+        self.maintenance = maintenance
+
+    async def handle(self, req: PoolAdminRequest) -> PoolAdminReply:
+        tenant_tag = security.tenant_tag(req.tenant) if req.tenant else None
+        if req.op == "stats":
+            return self.stats(tenant_tag)
+        if req.op in ("pin", "unpin", "evict", "purge") and not req.model_fingerprint:
+            raise Refusal(ErrorInfo(code="bad_request", message=f"{req.op} needs model_fingerprint",
+                                    param="model_fingerprint"))
+        if req.op == "clear":
+            return await self._clear(req, tenant_tag)
+        if req.op == "purge":
+            tag = model_tag(req.model_fingerprint)
+            affected = len(self.core.keys_in(HOT | WARM | COLD, tag))
+            self.core.invalidate_tag(tag)
+            await self.maintenance.purge_pending()
+            return PoolAdminReply(ok=True, affected=affected)
+        owner = tenant_tag or security.ANONYMOUS_TENANT_TAG
+        if req.op == "evict":
+            return await self._evict(req, owner)
+        if req.op == "pin":
+            keys = self.core.pin(req.model_fingerprint, req.block_hashes, owner)
+            affected = 0
+            for key, h in zip(keys, req.block_hashes):
+                affected += await self.io.pin_storage(req.model_fingerprint, key, h)
+            return PoolAdminReply(ok=True, affected=affected)
+        keys = self.core.unpin(req.model_fingerprint, req.block_hashes, owner)
+        affected = 0
+        for key in keys:
+            affected += await self.io.unpin_storage(key)
+        return PoolAdminReply(ok=True, affected=affected)
+
+    async def _clear(self, req: PoolAdminRequest, tenant_tag: str | None) -> PoolAdminReply:
+        tag = model_tag(req.model_fingerprint) if req.model_fingerprint else None
+        if tenant_tag is None:
+            affected = self.core.forget_tag(tag)
+        else:
+            drops = self.core.forget_tenant(tenant_tag, tag)
+            await asyncio.gather(*(self.io.drop_stored(d) for d in drops), return_exceptions=True)
+            affected = len(drops)
+        await self.maintenance.purge_pending()
+        return PoolAdminReply(ok=True, affected=affected)
+
+    async def _evict(self, req: PoolAdminRequest, tenant_tag: str) -> PoolAdminReply:
+        """Forget the blocks in the core (index, hot, pins, tenant ledger), then delete them from warm
+        and cold whatever the index believed (a rebuild may not have indexed them yet; a write-through
+        in flight deletes what it writes). `affected` counts the blocks the index held."""
+        keys, held = self.core.evict(req.model_fingerprint, req.block_hashes, tenant_tag)
+        down = await self.io.delete_everywhere(keys)
+        if down:  # a down tier keeps its copies until its TTL, a later evict, or a rebuild indexes them
+            log.warning("evict of %d blocks: %s down, its copies were not deleted", len(keys),
+                        ", ".join(down))
+            return PoolAdminReply(ok=False, affected=held, error=ErrorInfo(
+                code="tier_unavailable", message=f"tier(s) down, copies left there: {', '.join(down)}"))
+        log.info("evicted %d blocks (%d indexed) of model %s", len(keys), held,
+                 model_tag(req.model_fingerprint))
+        return PoolAdminReply(ok=True, affected=held)
+
+    def stats(self, tenant_tag: str | None = None, exact_totals: bool = True,
+              with_tenants: bool = True) -> PoolAdminReply:
+        """Tier and counter stats, and tenant usage (of `tenant_tag` only, when given).
+
+        Warm and cold blocks/bytes walk the whole index; with `exact_totals=False` (the telemetry
+        timer) they are the last sweep's count instead, or one walk's, kept until the next sweep.
+        `with_tenants=False` (the telemetry timer too) leaves out the per-tenant usage."""
+        core = self.core
+        totals = core.tier_totals() if exact_totals else self.maintenance.totals_as_of_last_sweep()
+        c = core.counters
+
+        def tier_stats(name: str, hits: int, misses: int, up: bool, integrity: int) -> TierStats:
+            blocks, nbytes = totals[name]
+            rate = hits / (hits + misses) if hits + misses else 0.0
+            return TierStats(up=up, blocks=blocks, bytes=nbytes, hits=hits, misses=misses,
+                             hit_rate=round(rate, 4), integrity_failures=integrity)
+
+        tiers = {"hot": tier_stats("hot", c.hot_hits, c.hot_misses, True, 0)}
+        for name, tier in (("warm", self.io.warm), ("cold", self.io.cold)):
+            if tier is not None:
+                tiers[name] = tier_stats(name, tier.hits, tier.misses, tier.up, tier.integrity_failures)
+        counters = dataclasses.asdict(c)
+        counters["rebuilding"] = int(self.io.rebuilding)
+        counters["index_blocks"] = core.num_blocks()
+        counters["worker_blocks"] = sum(core.num_worker_blocks().values())
+        counters["pending_purges"] = len(core.pending_purges) + len(core.pending_tenant_purges)
+        ledgers = core.tenant_usage(tenant_tag) if with_tenants else {}
+        if with_tenants:
+            counters["tenants"] = len(ledgers)
+        largest = sorted(ledgers.items(), key=lambda item: -item[1].num_bytes)[:MAX_TENANTS_IN_STATS]
+        tenants = {t: TenantUsage(blocks=len(ledger.blocks), bytes=ledger.num_bytes,
+                                  quota_bytes=core.quota_of(t), quota_evictions=ledger.quota_evictions,
+                                  quota_refused=ledger.quota_refused)
+                   for t, ledger in largest}
+        return PoolAdminReply(ok=True, tiers=tiers, counters=counters, tenants=tenants)

@@ -1,0 +1,31 @@
+"""The ru-pool's counters (`kite pool stats`, `PoolTelemetry`): one plain record that the layers of the
+core (core, hot_tier, worker_caches) and of the service (tier_io, maintenance) add to.
+
+Boundary: a leaf; it imports nothing and decides nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Counters:
+    puts: int = 0
+    duplicates: int = 0
+    refused_invalidated: int = 0
+    refused_corrupt: int = 0
+    hot_hits: int = 0
+    hot_misses: int = 0
+    hot_evictions: int = 0
+    hot_refused: int = 0  # puts that did not fit (everything left is pinned)
+    promotions: int = 0
+    demotions: int = 0
+    archived: int = 0
+    warm_renewed: int = 0
+    cold_expired: int = 0
+    lookups: int = 0
+    worker_event_gaps: int = 0
+    purged: int = 0
+    warm_writes_dropped: int = 0
+    evicted: int = 0  # blocks the index held that an admin evict removed

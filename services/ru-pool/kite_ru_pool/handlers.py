@@ -1,0 +1,156 @@
+"""The ru-pool's handler table: each NATS subject it serves, as a kite_shared.endpoints.Endpoint (decode
+-> core or tier I/O -> reply), and the hand-off of get replies through files on the same host.
+
+Boundary: the only module that knows subjects and messages. It calls the pure core (core.PoolCore) for
+lookups and worker events, tier_io.TierIO for puts and gets, admin.PoolAdmin for admin requests and
+maintenance.Maintenance to purge after an invalidation. The framework decodes, traces, sets the request
+context, answers a bad message with `invalid_message` and a handler bug with `internal_error`, and
+counts; handlers here return the reply (None for events) or raise Refusal.
+
+    subject                      queue     reply               handler
+    kite.v1.pool.put             ru-pool   none (raw unit)     put
+    kite.v1.pool.lookup          ru-pool   PoolLookupReply     lookup   (span kite.ru_pool.lookup)
+    kite.v1.pool.get             ru-pool   PoolGetReply        get      (span kite.ru_pool.get)
+    kite.v1.pool.admin           ru-pool   PoolAdminReply      admin
+    kite.v1.pool.block_events    ru-pool   none                block_event
+    kite.v1.model.fingerprint    -         none                model_fingerprint
+    kite.v1.heartbeat.worker     -         none                worker_heartbeat
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from nats.aio.client import Client as NATS
+from prometheus_client import Histogram
+
+from kite_shared import security, subjects
+from kite_shared.endpoints import Endpoint
+from kite_shared.messages import (
+    BLOCK_EVENT, BlockRemoved, BlockStored, Heartbeat, ModelFingerprintChanged, PoolAdminReply,
+    PoolAdminRequest, PoolGetReply, PoolGetRequest, PoolLookupReply, PoolLookupRequest,
+)
+from kite_shared.tiers import metrics
+from kite_shared.tiers.handoff import HandoffFolder
+from kite_shared.tiers.keys import model_tag
+from kite_ru_pool.admin import PoolAdmin
+from kite_ru_pool.core import PoolCore
+from kite_ru_pool.maintenance import Maintenance
+from kite_ru_pool.tier_io import TierIO
+
+log = logging.getLogger(__name__)
+
+GET_REPLY_OVERHEAD_BYTES = 4096  # msgpack framing of PoolGetReply around the units
+HANDOFF_REPLY_MAX_BYTES = 1 << 30  # units one same-host get may hand off as files (tmpfs is memory)
+
+
+@dataclass(frozen=True)
+class TimedEndpoint(Endpoint):
+    """An Endpoint that also observes `seconds` from receiving a message to having sent its reply
+    (kite_pool_lookup_seconds: the pool's own share of a lookup's latency, which bench/ reads)."""
+
+    seconds: Histogram | None = None
+
+    async def on_message(self, msg: Any) -> None:
+        started = time.perf_counter()
+        await super().on_message(msg)
+        if self.seconds is not None:
+            self.seconds.observe(time.perf_counter() - started)
+
+
+class PoolHandlers:
+    def __init__(self, core: PoolCore, io: TierIO, admin: PoolAdmin, maintenance: Maintenance, nc: NATS,
+                 handoff: HandoffFolder | None, host_id: str, clock: Callable[[], float]) -> None:
+        self.core = core
+        self.io = io
+        self.admin = admin
+        self.maintenance = maintenance
+        self.nc = nc
+        self.handoff = handoff  # same-host readers get units as files here (kite_shared.tiers.handoff)
+        self.host_id = host_id
+        self.clock = clock
+
+    def endpoints(self) -> list[Endpoint]:
+        q = subjects.RU_POOL_QUEUE
+        return [
+            Endpoint(subjects.POOL_PUT, bytes, self.put, queue=q),
+            TimedEndpoint(subjects.POOL_LOOKUP, PoolLookupRequest.decode, self.lookup,
+                          refuse=lambda error: PoolLookupReply(error=error), queue=q,
+                          span="kite.ru_pool.lookup", seconds=metrics.POOL_LOOKUP_SECONDS),
+            Endpoint(subjects.POOL_GET, PoolGetRequest.decode, self.get,
+                     refuse=lambda error: PoolGetReply(error=error), queue=q, span="kite.ru_pool.get"),
+            Endpoint(subjects.POOL_ADMIN, PoolAdminRequest.decode, self.admin.handle,
+                     refuse=lambda error: PoolAdminReply(ok=False, error=error), queue=q),
+            Endpoint(subjects.POOL_BLOCK_EVENTS, BLOCK_EVENT.decode, self.block_event, queue=q),
+            Endpoint(subjects.MODEL_FINGERPRINT, ModelFingerprintChanged.decode, self.model_fingerprint),
+            Endpoint(subjects.heartbeat("worker"), Heartbeat.decode, self.worker_heartbeat),
+        ]
+
+    # --- the block path ---------------------------------------------------------------------------------
+    async def put(self, data: bytes) -> None:
+        self.io.put_bytes(data)
+
+    async def lookup(self, req: PoolLookupRequest) -> PoolLookupReply:
+        r = self.core.lookup(req.model_fingerprint, req.block_hashes, self.io.up_mask(), req.include_workers)
+        return PoolLookupReply(hot=r.hot, warm=r.warm, cold=r.cold, pool=r.pool, tiers=r.tiers,
+                               workers=r.workers, invalidated=r.invalidated)
+
+    async def get(self, req: PoolGetRequest) -> PoolGetReply:
+        handoff = self.handoff is not None and req.host_id == self.host_id
+        inline_budget = self.nc.max_payload - GET_REPLY_OVERHEAD_BYTES
+        budget = HANDOFF_REPLY_MAX_BYTES if handoff else inline_budget
+        if req.max_bytes > 0:
+            budget = min(budget, req.max_bytes)
+        reply = await self.io.get_blocks(req.model_fingerprint, req.block_hashes, budget,
+                                         security.tenant_tag(req.tenant))
+        if handoff and reply.units:
+            reply = await self._hand_off(reply, min(budget, inline_budget))
+        return reply
+
+    async def _hand_off(self, reply: PoolGetReply, inline_budget: int) -> PoolGetReply:
+        """The same reply with its units in hand-off files; inline (cut to `inline_budget`) if the folder
+        cannot take them (a full tmpfs, say)."""
+        try:
+            paths = await asyncio.to_thread(self.handoff.write_all, reply.units)
+        except OSError as exc:
+            log.warning("hand-off write failed (%r); replying inline", exc)
+            units, total = [], 0
+            for data in reply.units:
+                if total + len(data) > inline_budget:
+                    break
+                units.append(data)
+                total += len(data)
+            return reply.model_copy(update={"units": units, "tiers": reply.tiers[:len(units)],
+                                            "complete": reply.complete and len(units) == len(reply.units)})
+        return reply.model_copy(update={"units": [], "unit_files": paths})
+
+    async def sweep_handoff(self) -> None:
+        """Free the hand-off files nobody read (periodic; a reader killed between reply and read)."""
+        await asyncio.to_thread(self.handoff.sweep)
+
+    # --- events -------------------------------------------------------------------------------------------
+    async def block_event(self, ev: BlockStored | BlockRemoved) -> None:
+        now = self.clock()
+        if isinstance(ev, BlockStored):
+            self.core.worker_stored(ev.worker_id, ev.model_fingerprint, ev.block_hashes, ev.seq, now)
+        else:
+            self.core.worker_removed(ev.worker_id, ev.model_fingerprint, ev.block_hashes, ev.all_blocks,
+                                     ev.seq, now)
+
+    async def worker_heartbeat(self, hb: Heartbeat) -> None:
+        if hb.draining:
+            self.core.forget_worker(hb.instance_id)
+        else:
+            self.core.worker_alive(hb.instance_id, self.clock())
+
+    async def model_fingerprint(self, ev: ModelFingerprintChanged) -> None:
+        tags = self.core.model_fingerprint_changed(ev.model_name, ev.model_fingerprint,
+                                                   ev.previous_fingerprint)
+        if tags:
+            log.info("model %s now has fingerprint %s; blocks of %s invalidated, purging in the background",
+                     ev.model_name, model_tag(ev.model_fingerprint), ", ".join(tags))
+            self.maintenance.purge_in_background()

@@ -1,0 +1,254 @@
+"""Maintenance: the work the pool does on its own, not asked by a request. The index rebuild from the
+warm and cold listings at start, the warm resync after a Redis outage, storage purges of invalidated or
+cleared blocks, forgetting silent workers, and the lifecycle sweep (archival warm -> cold, warm lease
+renewal, cold expiry) with the GC freeze that follows the index's growth.
+
+Boundary: calls the pure core (core.PoolCore: what to do), tier_io.TierIO (the verification of units it
+moves and the `rebuilding` flag reads consult) and the tier clients (listings, copies, deletions). The
+service runs `sweep_when_due` again and again through its runtime (kite_shared.service), and spawns the
+rebuild and purges in the background (background.py).
+
+The index is rebuildable: a fresh pool (or one whose Redis came back empty) learns every stored block from
+the tiers' key listings (size, owner, idle time, pin), so nothing here depends on the process that wrote
+the blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+from kite_shared.tiers import metrics
+from kite_shared.tiers.base import RemoteTier, TierUnavailable
+from kite_shared.tiers.client import TierClient
+from kite_shared.tiers.keys import BlockKey
+from kite_ru_pool.background import BackgroundTasks
+from kite_ru_pool.core import ALL_TAGS, COLD, HOT, WARM, Archive, ExpireCold, PoolCore, RenewWarm
+from kite_ru_pool.gc_freeze import IndexGcFreezer
+from kite_ru_pool.tier_io import FETCH_CONCURRENCY, TierIO
+
+log = logging.getLogger(__name__)
+
+WORKER_FORGET_AFTER_S = 30.0  # a worker silent this long (no heartbeat, no events) is presumed gone
+SWEEP_STEP_ENTRIES = 1000  # index entries a sweep examines per event-loop turn (0.2-0.5 ms, 2 vCPU)
+
+
+class Maintenance:
+    def __init__(self, core: PoolCore, io: TierIO, tiers: TierClient, clock: Callable[[], float],
+                 background: BackgroundTasks, sweep_interval_s: float, freeze_gc: bool = False) -> None:
+        """`freeze_gc`: keep the cyclic GC off the index (gc_freeze); only the pool's own process sets
+        it, so pools started inside a test runner leave the runner's GC alone."""
+        self.core = core
+        self.io = io
+        self.tiers = tiers
+        self.warm = tiers.warm
+        self.cold = tiers.cold
+        self.clock = clock
+        self.background = background
+        self.sweep_interval_s = sweep_interval_s
+        self.gc = IndexGcFreezer(enabled=freeze_gc)
+        self._swept_totals: dict[str, tuple[int, int]] | None = None
+        self._warm_resync = asyncio.Event()
+        self._wake = asyncio.Event()  # a sweep now rather than at the end of the interval
+        if self.warm is not None:
+            self.warm.on_recover(self._on_warm_recovered)
+
+    @property
+    def rebuilding(self) -> bool:
+        return self.io.rebuilding
+
+    # --- the index rebuild ------------------------------------------------------------------------------
+    def start_rebuild(self) -> None:
+        """Index what warm and cold hold, in the background; reads consult the tiers meanwhile."""
+        self.io.rebuilding = True
+
+        async def rebuild() -> None:
+            await self._rebuild()
+            self.gc.freeze(self.core.num_blocks())
+        self.background.spawn(rebuild(), "index rebuild")
+
+    async def _rebuild(self) -> None:
+        started = time.perf_counter()
+        try:
+            counts = {}
+            for tier, bit in ((self.warm, WARM), (self.cold, COLD)):
+                if tier is None:
+                    continue
+                counts[tier.name] = await self._index_tier(tier, bit)
+            log.info("index rebuilt in %.2f s: %s", time.perf_counter() - started,
+                     ", ".join(f"{n} {c if c >= 0 else 'unavailable'}" for n, c in counts.items()))
+        finally:
+            self.io.rebuilding = False
+
+    async def _index_tier(self, tier: RemoteTier, bit: int) -> int:
+        """Add what `tier` holds to the index; -1 when it could not be listed (retried on recovery)."""
+        now = self.clock()
+        count = 0
+        try:
+            async for item in tier.iter_keys():
+                if self.core.is_tag_invalidated(item.key.model_tag):
+                    continue
+                last_hit = now - item.idle_s if item.idle_s is not None else now
+                self.core.note_stored(item.key, bit, item.size, now, last_hit=last_hit)
+                if item.pinned:
+                    self.core.restore_pin(item.key)
+                count += 1
+        except TierUnavailable as exc:
+            log.warning("%s tier not indexed (%s); will index it when it is back", tier.name, exc)
+            if bit == WARM:
+                self._warm_resync.set()
+            return -1
+        return count
+
+    def _on_warm_recovered(self) -> None:
+        self._warm_resync.set()
+        self._wake.set()
+
+    async def _resync_warm(self) -> None:
+        """After a warm outage: forget warm copies that are gone (e.g. Redis restarted empty), index
+        what is there, and write hot blocks that warm lacks (the write-through backlog)."""
+        present: set[BlockKey] = set()
+        now = self.clock()
+        try:
+            async for item in self.warm.iter_keys():
+                present.add(item.key)
+                if not self.core.tiers_of(item.key) & WARM and not self.core.is_tag_invalidated(item.key.model_tag):
+                    last_hit = now - item.idle_s if item.idle_s is not None else now
+                    self.core.note_stored(item.key, WARM, item.size, now, last_hit=last_hit)
+        except TierUnavailable as exc:
+            log.warning("warm resync interrupted (%s); retrying when warm is back", exc)
+            self._warm_resync.set()
+            return
+        lost = [k for k in self.core.keys_in(WARM) if k not in present]
+        for key in lost:
+            self.core.note_missing(key, WARM)
+        backlog = [k for k in self.core.keys_in(HOT) if not self.core.tiers_of(k) & WARM]
+        for key in backlog:
+            data = self.core.hot.peek(key)
+            if data is not None and await self.warm.put(key, data, pinned=self.core.is_pinned(key)):
+                self.core.note_stored(key, WARM, len(data), self.clock())
+        log.info("warm resync: %d blocks present, %d forgotten, %d rewritten from hot",
+                 len(present), len(lost), len(backlog))
+
+    # --- purges -------------------------------------------------------------------------------------------
+    def purge_in_background(self) -> None:
+        self.background.spawn(self.purge_pending(), "purge of invalidated models")
+
+    async def purge_pending(self) -> None:
+        """Delete from storage what invalidations and clears queued (by listing, so blocks the index
+        never learned about go too); a purge a tier could not finish stays queued for the next sweep."""
+        for tag in sorted(self.core.pending_purges):
+            what = "every model" if tag == ALL_TAGS else f"model {tag}"
+            if await self._purge_listed(None if tag == ALL_TAGS else tag, None, what):
+                self.core.purge_done(tag)
+        for tag, tenant in sorted(self.core.pending_tenant_purges):
+            what = f"tenant {tenant}" + ("" if tag == ALL_TAGS else f", model {tag}")
+            if await self._purge_listed(None if tag == ALL_TAGS else tag, tenant, what):
+                self.core.pending_tenant_purges.discard((tag, tenant))
+
+    async def _purge_listed(self, tag: str | None, tenant_tag: str | None, what: str) -> bool:
+        complete = True
+        deleted = 0
+        for tier in self.tiers.tiers:
+            try:
+                keys = [item.key async for item in tier.iter_keys(tag)
+                        if tenant_tag is None or item.key.tenant_tag == tenant_tag]
+            except TierUnavailable as exc:
+                log.warning("purge of %s on %s postponed: %s", what, tier.name, exc)
+                complete = False
+                continue
+            n = await tier.delete_many(keys)
+            deleted += n
+            if n < len(keys) and not tier.up:
+                complete = False
+        self.core.counters.purged += deleted
+        if complete:
+            log.info("purged %d stored blocks of %s", deleted, what)
+        return complete
+
+    # --- the sweep ----------------------------------------------------------------------------------------
+    async def sweep_when_due(self) -> None:
+        """Wait for the sweep interval (or a wake-up: warm came back), then sweep once. The service runs
+        this back to back through its runtime, which logs a failed sweep and goes on."""
+        try:
+            await asyncio.wait_for(self._wake.wait(), self.sweep_interval_s)
+        except asyncio.TimeoutError:
+            pass
+        self._wake.clear()
+        await self.sweep_once()
+
+    async def sweep_once(self) -> None:
+        """Probe down tiers, resync warm after an outage, purge, forget silent workers, then archive /
+        renew / expire."""
+        for tier in self.tiers.tiers:
+            if not tier.up:
+                await tier.ping()
+        if self._warm_resync.is_set() and self.warm is not None and self.warm.up and not self.rebuilding:
+            self._warm_resync.clear()
+            await self._resync_warm()
+        await self.purge_pending()
+        now = self.clock()
+        for worker_id in self.core.stale_workers(now, WORKER_FORGET_AFTER_S):
+            log.info("forgetting the local cache of worker %s: silent for %.0f s", worker_id,
+                     WORKER_FORGET_AFTER_S)
+            self.core.forget_worker(worker_id)
+        warm_up = self.warm is not None and self.warm.up
+        cold_up = self.cold is not None and self.cold.up
+        # Walk the index SWEEP_STEP_ENTRIES at a time, letting lookups run in between (lifecycle.SweepPass).
+        sweep = self.core.begin_sweep(now, warm_up, cold_up)
+        while not sweep.step(SWEEP_STEP_ENTRIES):
+            await asyncio.sleep(0)
+        self._swept_totals = sweep.tier_totals()
+        actions = sweep.actions()
+        if not self.rebuilding:
+            self.gc.maybe_freeze(self.core.num_blocks())
+        sem = asyncio.Semaphore(FETCH_CONCURRENCY)
+
+        async def run(action) -> None:
+            async with sem:
+                await self._carry_out(action)
+        await asyncio.gather(*(run(a) for a in actions))
+
+    def totals_as_of_last_sweep(self) -> dict[str, tuple[int, int]]:
+        """(blocks, bytes) per tier as the last sweep counted them (one walk of the index now if none ran
+        yet, kept until the next sweep); hot exact."""
+        if self._swept_totals is None:
+            self._swept_totals = self.core.tier_totals()
+        return dict(self._swept_totals, hot=(len(self.core.hot), self.core.hot.bytes_used))
+
+    async def _carry_out(self, action: Archive | RenewWarm | ExpireCold) -> None:
+        key = action.key
+        if isinstance(action, RenewWarm):
+            if await self.warm.set_pinned(key, False):  # EXPIRE key ttl: the lease restarts
+                self.core.note_renewed(key, self.clock())
+                self.core.counters.warm_renewed += 1
+            elif self.warm.up:
+                self.core.note_missing(key, WARM)
+            return
+        if isinstance(action, ExpireCold):
+            if await self.cold.delete(key) or self.cold.up:
+                self.core.note_missing(key, COLD)
+                self.core.counters.cold_expired += 1
+                metrics.TIER_EVICTIONS.labels("cold").inc()
+            return
+        # Archive: warm -> cold, then delete from warm only once cold surely has it.
+        if not action.cold_has_it:
+            data = await self.warm.get(key)
+            if data is None:
+                if self.warm.up:
+                    self.core.note_missing(key, WARM)
+                return
+            if not self.io.intact(key, data, "warm"):
+                await self.warm.delete(key)
+                self.core.note_missing(key, WARM)
+                return
+            if not await self.cold.put(key, data):
+                return  # cold down: stays in warm, retried next sweep
+            self.core.note_stored(key, COLD, len(data), self.clock())
+        if await self.warm.delete(key) or self.warm.up:
+            self.core.note_missing(key, WARM)
+            self.core.counters.archived += 1
+            metrics.TIER_EVICTIONS.labels("warm").inc()
+            metrics.TIER_DEMOTIONS.inc()
