@@ -14,6 +14,7 @@ Pure except `ru_key` / `load_cluster_secret` (they read the environment and may 
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import hmac
 import logging
@@ -58,6 +59,7 @@ def tenant_cache_salt(tenant: str, client_salt: str = "") -> str:
     return hashlib.sha256(_SALT_DOMAIN + _field(tenant) + _field(client_salt)).hexdigest()
 
 
+@functools.lru_cache(maxsize=4096)  # called per block; a deployment has few tenants
 def tenant_tag(tenant: str) -> str:
     """First 16 hex digits of SHA-256("kite-tenant-tag/v1" | tenant): names a tenant in storage keys and
     RU headers, so the pool can account, quota and clear a tenant's blocks (even after a restart, from

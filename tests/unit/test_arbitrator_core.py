@@ -256,3 +256,13 @@ def test_fleet_signals_include_what_fingerprinters_report():
     assert signals["fingerprinter_refused_rate"] == 0.2
     assert c.num_sources(0.0) == 3
     assert c.num_sources(0.0 + c.stale_s + 1) == 0
+
+
+def test_every_activation_of_a_worker_is_measured_once():
+    c = core()
+    c.observe(wt("w2", activation_decision_id="d-1", activation_latency_s=0.12), 0.0)
+    c.observe(wt("w2", activation_decision_id="d-1", activation_latency_s=0.12), 0.5)  # repeated in telemetry
+    c.observe(wt("w2", activation_decision_id="d-7", activation_latency_s=0.05), 9.0)  # a later activation
+    assert c.activation_latencies == {"w2": 0.05}
+    measured = [e for e in c.take_log() if e.get("event") == "activation_measured"]
+    assert [(e["decision_id"], e["latency_s"]) for e in measured] == [("d-1", 0.12), ("d-7", 0.05)]

@@ -53,7 +53,8 @@ class ArbitratorCore:
     log: list[dict] = field(default_factory=list)  # structured decision log, drained by the service
     stale: bool = False
     routing_mode_override: str = ""
-    activation_latencies: dict[str, float] = field(default_factory=dict)
+    activation_latencies: dict[str, float] = field(default_factory=dict)  # worker -> its last activation's
+    _activations_seen: dict[str, str] = field(default_factory=dict)  # worker -> that activation's decision id
     _since: dict[tuple[str, str], float] = field(default_factory=dict)  # (rule, target) -> true since
     _warm_pending: dict[str, tuple[bool, float]] = field(default_factory=dict)  # worker -> (standby, at)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
@@ -70,8 +71,10 @@ class ArbitratorCore:
             pending = self._warm_pending.get(message.instance_id)
             if pending is not None and pending[0] == message.standby:
                 del self._warm_pending[message.instance_id]
+            # Each activation once: a worker reports its last one in every telemetry message.
             if message.activation_latency_s is not None and \
-                    message.instance_id not in self.activation_latencies:
+                    self._activations_seen.get(message.instance_id) != message.activation_decision_id:
+                self._activations_seen[message.instance_id] = message.activation_decision_id
                 self.activation_latencies[message.instance_id] = message.activation_latency_s
                 self._log(now, "activation_measured", target=message.instance_id,
                           decision_id=message.activation_decision_id,

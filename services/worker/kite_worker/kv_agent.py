@@ -100,6 +100,7 @@ def save_path(staging_dir: Path, block_hash: bytes) -> Path:
 class KVAgent:
     def __init__(self, options: AgentOptions) -> None:
         self.options = options
+        self._ru_key = ru_key()  # once: ru_key() reads the configuration
         self.block_bytes = _numel(options.unit_shape) * torch.empty(0, dtype=options.storage_dtype).element_size()
         self.cost = CostModel(options.block_size, self.block_bytes)
         self._staged: OrderedDict[bytes, int] = OrderedDict()  # hash -> pins
@@ -135,7 +136,7 @@ class KVAgent:
             tier_client = TierClient.from_config(load(TierConfig))
             await tier_client.start()
         self.loader = PoolLoader(self.pool, tier_client, self.cost, self.options.model_fingerprint,
-                                 self.options.unit_shape, self.options.storage_dtype, mac_key=ru_key(),
+                                 self.options.unit_shape, self.options.storage_dtype, mac_key=self._ru_key,
                                  staging_bytes=0)  # staging is the files below, not the loader's memory
         self._announcements: asyncio.Queue[list[tuple[str, list[BlockHash]]]] = asyncio.Queue()
         # No service runtime in vLLM's process: the same periodic work that survives failures, ended with the loop.
@@ -279,7 +280,7 @@ class KVAgent:
             model_fingerprint=self.options.model_fingerprint, block_index=info.block_index,
             num_tokens=self.options.block_size, codec=codec, shape=tuple(self.options.unit_shape),
             payload=payload, tenant_tag=tenant_tag(info.tenant),
-        ).encode(key=ru_key())
+        ).encode(key=self._ru_key)
 
     # --- what this worker holds (listener thread) ------------------------------------------------------------
 

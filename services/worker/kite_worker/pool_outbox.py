@@ -38,6 +38,7 @@ class PoolOutbox:
         self.fingerprint_hex = fingerprint_hex
         self.writes = writes
         self.enabled = enabled  # KITE_WORKER_POOL_WRITE
+        self._ru_key = ru_key()  # once: ru_key() reads the configuration
         self._loop = loop
         self._blocks: queue.Queue[NewBlock] = queue.Queue(maxsize=POOL_OUTBOX_BLOCKS)
         self._cache_events: asyncio.Queue[list[CacheEvent]] = asyncio.Queue()
@@ -96,4 +97,4 @@ class PoolOutbox:
             num_tokens=kv.shape[3], codec=TORCH_DTYPE_TO_CODEC[str(kv.dtype).removeprefix("torch.")],
             shape=tuple(kv.shape), payload=kv.contiguous().view(torch.uint8).numpy().tobytes(),
             tenant_tag=block.tenant_tag,
-        ).encode(key=ru_key())
+        ).encode(key=self._ru_key)
