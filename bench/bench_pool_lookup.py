@@ -7,10 +7,18 @@ dim 64, 16 tokens, fp16: 368,640 payload bytes).
 
     .venv/bin/python bench/bench_pool_lookup.py [--rate 1000] [--seconds 5] [--chain 128]
         [--client-gc freeze|default] [--index-blocks N] [--sweep-interval S]
+    .venv/bin/python bench/bench_pool_lookup.py --replicas 2 [--rate 1000] [--seconds 30] [--chain 128]
 
 Lookup latency is reported from send and from the scheduled send time, with this client's own loop lag
 and full GC passes, and the pool's loop lag (kite_pool_event_loop_lag_seconds) over the runs
 (docs/ru-pool.md, "The stalls (issue 4)").
+
+`--replicas N` (N >= 2) measures ru-pool replicas instead (docs/ru-pool.md, "Replicas"): one nats-server,
+one Redis, a cold folder; a bare NATS echo, then lookups through the `ru-pool` queue group with one
+replica, then with N (the others started in between, each with its own instance id and metrics port),
+then the echo again, each run `--seconds` long at `--rate`. It prints, side by side, each run's p50/p99,
+the pool's added latency over the echo (the mean of the two echo runs), and the lookups each replica
+answered per second (its own `stats`, asked on its own subject).
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from kite_shared.security import ru_key
 
 from kite_cli.local_servers import free_port, start_nats, start_redis, wait_for_port
 from kite_shared import subjects
-from kite_shared.messages import PoolAdminReply, PoolAdminRequest
+from kite_shared.messages import PoolAdminReply, PoolAdminRequest, PoolLookupReply, PoolLookupRequest
 from kite_shared.recyclable_unit import RecyclableUnit, decode
 from kite_shared.tiers.cold import LocalDirTier, S3Tier
 from kite_shared.tiers.keys import BlockKey, redis_key
@@ -169,6 +177,8 @@ async def bench_lookup(client: PoolClient, fp: str, hashes: list[bytes], rate: f
           f"p99={pct(sent, 0.99) * 1e3:.3f} ms  max={max(sent) * 1e3:.3f} ms")
     print(f"        from schedule: p50={pct(due_lat, 0.5) * 1e3:.3f} ms  p99={pct(due_lat, 0.99) * 1e3:.3f} ms  "
           f"max={max(due_lat) * 1e3:.3f} ms;  {watch.summary()}")
+    return {"p50": pct(sent, 0.5), "p99": pct(sent, 0.99), "n": len(sent), "errors": errors,
+            "elapsed": elapsed}
 
 
 async def bench_fetch(label: str, fetch, n_blocks: int, unit_bytes: int, repeat: int = 1) -> None:
@@ -201,7 +211,12 @@ async def main() -> None:
                          "stats walk an index of realistic size")
     ap.add_argument("--sweep-interval", type=float, default=None,
                     help="KITE_POOL_SWEEP_INTERVAL_S for the pool (default: the pool's own, 30 s)")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="N >= 2: compare lookups through one ru-pool replica and through N (module docstring)")
     args = ap.parse_args()
+    if args.replicas >= 2:
+        await compare_replicas(args)
+        return
 
     nats_srv = start_nats()
     redis_srv = start_redis()
@@ -334,6 +349,113 @@ async def main() -> None:
         await s3.close()
         s3_proc.terminate()
         s3_proc.wait(10)
+        redis_srv.stop()
+        nats_srv.stop()
+
+
+def start_replica(env: dict[str, str], name: str, metrics_port: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kite_ru_pool"],
+                            env=dict(env, KITE_INSTANCE_ID=name, KITE_METRICS_PORT=str(metrics_port)))
+
+
+async def replica_counters(nc, name: str) -> dict[str, int]:
+    raw = await nc.request(subjects.pool_replica(name, "admin"), PoolAdminRequest(op="stats").encode(), timeout=5)
+    return PoolAdminReply.decode(raw.data).counters
+
+
+async def wait_serving(nc, name: str, timeout_s: float = 60.0) -> None:
+    """Until the replica has rebuilt its index and answers the queue group."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            c = await replica_counters(nc, name)
+            if c.get("rebuilding") == 0 and c.get("serving") == 1:
+                return
+        except Exception:
+            pass
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"replica {name} not serving within {timeout_s} s")
+
+
+async def compare_replicas(args) -> None:
+    """One replica, then N, through the queue group, between two bare echo runs (module docstring)."""
+    nats_srv = start_nats()
+    redis_srv = start_redis()
+    cold_dir = tempfile.mkdtemp(prefix="kite-bench-cold-")
+    n = args.chain
+    fp = hashlib.sha256(uuid.uuid4().bytes).hexdigest()
+    chain = make_chain(fp, n)
+    hashes = [h for h, _ in chain]
+    unit_bytes = len(chain[0][1])
+    env = dict(os.environ, KITE_NATS_URL=nats_srv.url, KITE_REDIS_URL=redis_srv.url + "/0", KITE_S3_ENDPOINT="",
+               KITE_COLD_DIR=cold_dir, KITE_POOL_HOT_BYTES=str((n + 2) * unit_bytes), KITE_LOG_LEVEL="WARNING")
+    names = [f"ru-pool-{i + 1}" for i in range(args.replicas)]
+    ports = {name: free_port() for name in names}
+    pools = [start_replica(env, names[0], ports[names[0]])]
+    nc = await nats.connect(nats_srv.url)
+    client = PoolClient(nc, lookup_timeout_s=1.0)
+    echo = subprocess.Popen([sys.executable, "-c", ECHO, nats_srv.url])
+    results: dict[str, dict] = {}
+    per_replica: dict[str, dict[str, float]] = {}
+
+    async def lookups(label: str, replicas: list[str]) -> None:
+        await bench_lookup(client, fp, hashes, args.rate, 1.0)  # warm-up
+        before = {r: (await replica_counters(nc, r))["lookups"] for r in replicas}
+        results[label] = await bench_lookup(client, fp, hashes, args.rate, args.seconds)
+        after = {r: (await replica_counters(nc, r))["lookups"] for r in replicas}
+        per_replica[label] = {r: (after[r] - before[r]) / results[label]["elapsed"] for r in replicas}
+        for r in replicas:
+            print(f"        {r}: ", end="")
+            print_server_side(ports[r])
+
+    try:
+        await wait_serving(nc, names[0])
+        for _, data in chain:
+            await client.put(data)
+        await nc.flush()
+        while (r := await client.lookup(fp, hashes)) is None or r.warm < n:
+            await asyncio.sleep(0.05)
+        if args.client_gc == "freeze":
+            gc.collect()
+            gc.freeze()
+        print(f"{n}-block chain in warm; {args.rate:.0f} lookups/s for {args.seconds:.0f} s per run; "
+              f"cpus {os.cpu_count()}")
+        await bench_lookup(client, fp, hashes, args.rate, 1.0, echo=True)  # warm-up
+        results["echo before"] = await bench_lookup(client, fp, hashes, args.rate, args.seconds, echo=True)
+        await lookups("1 replica", names[:1])
+        for name in names[1:]:
+            pools.append(start_replica(env, name, ports[name]))
+        for name in names[1:]:
+            await wait_serving(nc, name)
+        # Every replica indexed the chain (from its rebuild or the first one's index changes).
+        for name in names:
+            raw = await nc.request(subjects.pool_replica(name, "lookup"),
+                                   PoolLookupRequest(model_fingerprint=fp, block_hashes=hashes).encode(), timeout=5)
+            assert PoolLookupReply.decode(raw.data).pool == n, name
+        await lookups(f"{args.replicas} replicas", names)
+        results["echo after"] = await bench_lookup(client, fp, hashes, args.rate, args.seconds, echo=True)
+
+        echo_p50 = (results["echo before"]["p50"] + results["echo after"]["p50"]) / 2
+        echo_p99 = (results["echo before"]["p99"] + results["echo after"]["p99"]) / 2
+        print(f"\nside by side ({args.rate:.0f} lookups/s offered, {n} blocks each, {args.seconds:.0f} s per run; "
+              f"pool's added latency = lookup - echo, echo = mean of the two echo runs: "
+              f"p50 {echo_p50 * 1e3:.3f} ms, p99 {echo_p99 * 1e3:.3f} ms)")
+        print(f"{'run':<14}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'added p99':>11}{'errors':>8}  "
+              "lookups/s per replica")
+        for label, res in results.items():
+            added = "" if label.startswith("echo") else \
+                f"{(res['p50'] - echo_p50) * 1e3:>11.3f}{(res['p99'] - echo_p99) * 1e3:>11.3f}"
+            shares = ", ".join(f"{r} {v:.0f}" for r, v in per_replica.get(label, {}).items())
+            print(f"{label:<14}{res['p50'] * 1e3:>9.3f}{res['p99'] * 1e3:>9.3f}{added or ' ' * 22}"
+                  f"{res['errors']:>8}  {shares}")
+    finally:
+        await nc.close()
+        echo.terminate()
+        echo.wait(5)
+        for pool in pools:
+            pool.send_signal(signal.SIGTERM)
+        for pool in pools:
+            pool.wait(15)
         redis_srv.stop()
         nats_srv.stop()
 

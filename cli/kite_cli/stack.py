@@ -39,6 +39,9 @@ class StackOptions:
     http_port: int | None = 0
     grpc_port: int | None = 0
     num_workers: int = 1
+    # ru-pool replicas (docs/ru-pool.md, "Replicas"): with more than one, each is named ru-pool-<n> and has
+    # its own KITE_METRICS_PORT (a free one), whatever `metrics` says.
+    pool_replicas: int = 1
     host: str | None = "127.0.0.1"
     with_redis: bool = True  # start a redis-server for the warm tier when one is installed
     services: tuple[str, ...] = ("fingerprinter", "ru-pool", "arbitrator", "gateway")  # besides workers
@@ -82,6 +85,7 @@ class LocalStack:
         self.redis: LocalServer | None = None
         self.processes: list[ServiceProcess] = []
         self._worker_count = 0
+        self._pool_count = 0
 
     @property
     def http_url(self) -> str:
@@ -115,20 +119,33 @@ class LocalStack:
                 and find_binary("redis-server"):
             self.redis = start_redis(log_file=self.log_dir / "redis-server.log",
                                      data_dir=self.options.redis_data_dir)
+        self._start_services(self.options.pool_replicas, self.options.num_workers)
+        if "gateway" in self.options.services:
+            self.wait_healthy(timeout_s)
+        else:  # nothing answers /health: only check that every process started
+            self.wait_started()
+
+    def _start_services(self, pool_replicas: int, num_workers: int) -> None:
         for name in self.options.services:
-            self.start_service(name)
-        for _ in range(self.options.num_workers):
+            if name == "ru-pool":
+                for _ in range(pool_replicas):
+                    self.start_pool_replica()
+            else:
+                self.start_service(name)
+        for _ in range(num_workers):
             self.start_worker()
-        self.wait_healthy(timeout_s)
 
     def start_service(self, name: str, extra_env: dict[str, str] | None = None,
-                      instance_id: str | None = None) -> ServiceProcess:
+                      instance_id: str | None = None, metrics: bool | None = None) -> ServiceProcess:
+        """`metrics`: give it a free KITE_METRICS_PORT (None: as StackOptions.metrics says)."""
         env = self.base_env()
         env.update(extra_env or {})
         if instance_id:
             env["KITE_INSTANCE_ID"] = instance_id
         metrics_port = 0
-        if self.options.metrics and name != "gateway":  # the gateway serves /metrics on its HTTP port
+        if metrics is None:
+            metrics = self.options.metrics
+        if metrics and name != "gateway":  # the gateway serves /metrics on its HTTP port
             metrics_port = free_port()
             env["KITE_METRICS_PORT"] = str(metrics_port)
         log_path = self.log_dir / f"{instance_id or name}.log"
@@ -146,8 +163,20 @@ class LocalStack:
         self._worker_count += 1
         return self.start_service("worker", extra_env, instance_id=f"worker-{self._worker_count}")
 
+    def start_pool_replica(self, extra_env: dict[str, str] | None = None) -> ServiceProcess:
+        """One more ru-pool replica. Alone (the default) it is `ru-pool` as before; once the stack runs
+        several (StackOptions.pool_replicas > 1, or a replica added later) each is ru-pool-<n> with its
+        own metrics port."""
+        self._pool_count += 1
+        if self.options.pool_replicas <= 1 and self._pool_count == 1:
+            return self.start_service("ru-pool", extra_env)
+        return self.start_service("ru-pool", extra_env, instance_id=f"ru-pool-{self._pool_count}", metrics=True)
+
     def workers(self) -> list[ServiceProcess]:
         return [p for p in self.processes if p.name == "worker" and p.process.poll() is None]
+
+    def pool_replicas(self) -> list[ServiceProcess]:
+        return [p for p in self.processes if p.name == "ru-pool" and p.process.poll() is None]
 
     def health_status(self) -> int:
         try:
@@ -170,6 +199,16 @@ class LocalStack:
             time.sleep(0.25)
         raise TimeoutError(f"the stack was not healthy within {timeout_s} s; logs in {self.log_dir}")
 
+    def wait_started(self, settle_s: float = 1.0) -> None:
+        """For a stack without a gateway: fail if a service process exits within `settle_s`."""
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline:
+            dead = [p for p in self.processes if p.process.poll() is not None and p.name != "worker"]
+            if dead:
+                raise RuntimeError(f"{dead[0].name} exited with code {dead[0].process.returncode}; "
+                                   f"see {dead[0].log_path}:\n{self.tail(dead[0])}")
+            time.sleep(0.1)
+
     @staticmethod
     def tail(proc: ServiceProcess, num_bytes: int = 3000) -> str:
         data = proc.log_path.read_bytes() if proc.log_path.exists() else b""
@@ -187,13 +226,12 @@ class LocalStack:
     def restart_services(self, timeout_s: float = 180.0) -> None:
         """Stop every KITE process and start them again; nats-server and redis-server keep running."""
         num_workers = len(self.workers())
+        pool_replicas = len(self.pool_replicas()) or self.options.pool_replicas
         for proc in list(self.processes):
             self.stop_process(proc)
         self.processes.clear()
-        for name in self.options.services:
-            self.start_service(name)
-        for _ in range(num_workers):
-            self.start_worker()
+        self._pool_count = 0
+        self._start_services(pool_replicas, num_workers)
         self.wait_healthy(timeout_s)
 
     def restart_nats(self, down_s: float = 1.0) -> None:

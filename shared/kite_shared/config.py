@@ -207,6 +207,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KITE_POOL_SWEEP_INTERVAL_S", float, "30", RU_POOL,
             "Seconds between lifecycle sweeps (archival, TTL deletion, purges, tier health probes).",
             minimum=0.05),
+    Setting("KITE_POOL_LEASE_S", float, "3", RU_POOL,
+            "Leader lease of the ru-pool replicas (a JetStream key-value entry): only the holder runs the "
+            "maintenance (lifecycle sweep, purges, warm resync); if it dies another replica takes over "
+            "within this plus a third of it.", minimum=0.5),
     Setting("KITE_REDIS_URL", str, "", ("ru-pool", "worker"),
             "Redis URL of the warm tier (redis://host:port/db); empty turns the warm tier off. AUTH and "
             "TLS go in the URL: redis://user:password@host:port/db (URL-quote the password), rediss:// "
@@ -524,6 +528,7 @@ class RuPoolConfig:
     metrics_port: int = env("KITE_METRICS_PORT")
     archive_after_s: float = env("KITE_POOL_ARCHIVE_AFTER_S")
     sweep_interval_s: float = env("KITE_POOL_SWEEP_INTERVAL_S")
+    lease_s: float = env("KITE_POOL_LEASE_S")
     telemetry_interval_s: float = env("KITE_TELEMETRY_INTERVAL_S")
 
     def __post_init__(self) -> None:

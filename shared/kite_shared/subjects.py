@@ -76,8 +76,10 @@ def _token(part: str) -> str:
 
 
 # --- ru-pool -----------------------------------------------------------------------------------------
-# All ru-pool subjects use queue group RU_POOL_QUEUE. One ru-pool replica per deployment: its index is
-# in-process (rebuilt from the tiers on restart), so replicas would each know only part of the pool.
+# Any number of ru-pool replicas (docs/ru-pool.md, "Replicas"). Puts, lookups, gets and admin use queue
+# group RU_POOL_QUEUE (any replica answers: each keeps the whole index); worker block events, index
+# changes and model fingerprints reach every replica (no queue group); each replica also answers on its
+# own subjects (pool_replica).
 
 # anyone -> ru-pool, request/reply: messages.PoolLookupRequest -> messages.PoolLookupReply
 POOL_LOOKUP = f"{PREFIX}.pool.lookup"
@@ -85,7 +87,25 @@ POOL_LOOKUP = f"{PREFIX}.pool.lookup"
 POOL_GET = f"{PREFIX}.pool.get"
 # admin tools -> ru-pool, request/reply: messages.PoolAdminRequest -> messages.PoolAdminReply
 POOL_ADMIN = f"{PREFIX}.pool.admin"
-# worker -> ru-pool: messages.BlockStored / messages.BlockRemoved (decode with BLOCK_EVENT)
+# worker -> every ru-pool replica (no queue group): messages.BlockStored / messages.BlockRemoved (decode
+# with BLOCK_EVENT)
 POOL_BLOCK_EVENTS = f"{PREFIX}.pool.block_events"
+# ru-pool replica -> every other replica (no queue group): messages.PoolIndexChanges, what it changed in
+# the shared tiers (warm, cold), pins, clears and invalidations
+POOL_INDEX_CHANGES = f"{PREFIX}.pool.index_changes"
+# a joining ru-pool replica -> one live replica (queue group RU_POOL_QUEUE), request/reply:
+# messages.WorkerCachesRequest -> messages.WorkerCachesReply (the worker-cache index, page by page)
+POOL_WORKER_CACHES = f"{PREFIX}.pool.worker_caches"
 # fingerprinter -> everyone (no queue group at the receivers): messages.ModelFingerprintChanged
 MODEL_FINGERPRINT = f"{PREFIX}.model.fingerprint"
+
+POOL_REPLICA_OPS = ("put", "lookup", "get", "admin")
+
+
+def pool_replica(instance_id: str, op: str) -> str:
+    """One ru-pool replica's own subject for `op` (put, lookup, get, admin): the same request and reply as
+    the queue-group subject (POOL_PUT, ...), answered by that replica only (tests, per-replica stats)."""
+    if op not in POOL_REPLICA_OPS:
+        raise ValueError(f"not an ru-pool operation: {op!r}")
+    safe = "".join("_" if c in ".*> \t\r\n" else c for c in instance_id)  # host names have dots
+    return f"{PREFIX}.pool.replica.{_token(safe)}.{op}"

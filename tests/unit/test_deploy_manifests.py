@@ -65,11 +65,9 @@ SOURCE_ROOTS = (ROOT / "shared", ROOT / "cli", *(p.parent for p in SERVICE_PACKA
 EXTRA_TARGETS = ("worker-gpu", "fingerprinter-gpu")
 # Which service each image target runs.
 TARGET_SERVICE = {**{s: s for s in SERVICES}, "worker-gpu": "worker", "fingerprinter-gpu": "fingerprinter"}
-# Services that must never run two pods at once, and why. The ru-pool's module docstring states its limit
-# (a test below holds the manifests to it and notices when the docstring drops it).
-SINGLE_REPLICA = {
-    "ru-pool": "its index is in its process (kite_ru_pool/service.py: \"One replica per deployment\")",
-}
+# Services that must never run two pods at once, and why (none since the ru-pool runs replicas: issue 14;
+# a test below holds the ru-pool's manifests and docs to its module docstring).
+SINGLE_REPLICA: dict[str, str] = {}
 RU_POOL_SERVICE = SERVICE_PACKAGES["ru-pool"] / "service.py"
 GPU_CHECK = ROOT / "deploy" / "gpu" / "check.sh"
 
@@ -1307,11 +1305,15 @@ def test_single_replica_services_never_run_two_pods(variant, service):
     assert service not in scalers, f"{variant}: {service} is autoscaled, but {why}"
 
 
-def test_the_ru_pool_code_still_runs_one_replica():
-    # The source of SINGLE_REPLICA["ru-pool"]: once the index is shared, drop the entry (and let the
-    # manifests and docs/deploy.md scale the ru-pool).
+@pytest.mark.parametrize("variant", ["base", *OVERLAYS])
+def test_the_ru_pool_runs_replicas_as_its_code_and_the_docs_say(variant):
+    # The ru-pool's module docstring says it runs replicas (issue 14); were it to go back to one, the entry
+    # in SINGLE_REPLICA comes back with it.
     docstring = ast.get_docstring(ast.parse(RU_POOL_SERVICE.read_text())) or ""
-    assert "One replica per deployment" in docstring
+    assert "Any number of replicas" in docstring and "One replica per deployment" not in docstring
+    deployment = objects(rendered(variant), "Deployment")["ru-pool"]
+    assert deployment["spec"].get("replicas", 1) >= 2, f"{variant}: one ru-pool is a single point of failure"
+    assert "**ru-pool**: 2 replicas" in DEPLOY_DOC.read_text()
 
 
 REPLICA_CLAIM = re.compile(r"\b(\d+)\s*(\+|or more)?\s+replicas?\b", re.IGNORECASE)
@@ -1328,9 +1330,6 @@ def test_docs_claim_no_more_replicas_than_single_replica_services_run():
                     if names and (int(claim.group(1)) > 1 or claim.group(2)):
                         problems.append(f"{doc.relative_to(ROOT)}: {names}: {sentence.strip()[:160]}")
     assert not problems, "\n".join(problems)
-    layout = re.search(r"^- \*\*ru-pool\*\*:(.*)$", DEPLOY_DOC.read_text(), flags=re.MULTILINE)
-    assert layout and re.search(r"\b(one|1) replica\b", layout.group(1)), \
-        "docs/deploy.md's production layout must say the ru-pool runs one replica"
 
 
 @pytest.mark.parametrize("variant", ["base", *OVERLAYS])

@@ -21,9 +21,12 @@ async def setup(rt: ServiceRuntime) -> None:
         start_http_server(cfg.metrics_port)
         log.info("metrics on :%d/metrics", cfg.metrics_port)
     # This process is the pool's own: keep the cyclic GC off its index (gc_freeze).
-    pool = PoolService(cfg, tier_cfg, rt.nc, instance_id=rt.instance_id, freeze_gc=True)
-    await pool.start(rt)  # the tiers, the index rebuild, handlers.py's endpoints, the periodic work
-    # On SIGTERM: stop taking work, finish the background writes, close the tiers; then NATS drains.
+    pool = PoolService(cfg, tier_cfg, rt.nc, instance_id=rt.instance_id, freeze_gc=True,
+                       heartbeat_interval_s=rt.common.heartbeat_interval_s)
+    # The tiers, the index rebuild, the other replicas (replicas.py), handlers.py's endpoints, the periodic work
+    await pool.start(rt)
+    # On SIGTERM: stop taking work, finish the background writes, tell the other replicas, hand the
+    # maintenance lease over, close the tiers; then NATS drains.
     rt.on_drain(pool.stop)
 
 

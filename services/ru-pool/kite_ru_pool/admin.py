@@ -5,6 +5,11 @@ Boundary: calls the pure core (core.PoolCore) for what to forget or pin, tier_io
 means in storage, and maintenance.Maintenance for storage purges and the last sweep's totals. Refuses a
 request it cannot act on by raising kite_shared.endpoints.Refusal (the handler table turns it into the
 reply); knows nothing of NATS.
+
+With replicas, an admin request is carried out by the replica that receives it (storage deletions and
+purges included) and its effect on the index (clear, purge, evict, pin, unpin) is recorded in the index
+change log for the others (docs/ru-pool.md, "Replicas"). `stats` is this replica's view: the shared
+index, its own hot tier and counters, and how many replicas it sees.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from typing import Callable
 
 from kite_shared import security
 from kite_shared.endpoints import Refusal
@@ -27,10 +33,14 @@ MAX_TENANTS_IN_STATS = 1000  # the largest tenants by bytes; keeps an all-tenant
 
 
 class PoolAdmin:
-    def __init__(self, core: PoolCore, io: TierIO, maintenance: Maintenance) -> None:
+    def __init__(self, core: PoolCore, io: TierIO, maintenance: Maintenance,
+                 replica_counters: Callable[[], dict[str, int]] = dict) -> None:
+        """`replica_counters`: what the replica layer adds to the counters of `stats` (replicas, leader)."""
         self.core = core
         self.io = io
         self.maintenance = maintenance
+        self.changes = io.changes
+        self.replica_counters = replica_counters
 
     async def handle(self, req: PoolAdminRequest) -> PoolAdminReply:
         tenant_tag = security.tenant_tag(req.tenant) if req.tenant else None
@@ -45,6 +55,7 @@ class PoolAdmin:
             tag = model_tag(req.model_fingerprint)
             affected = len(self.core.keys_in(HOT | WARM | COLD, tag))
             self.core.invalidate_tag(tag)
+            self.changes.invalidated(tag)
             await self.maintenance.purge_pending()
             return PoolAdminReply(ok=True, affected=affected)
         owner = tenant_tag or security.ANONYMOUS_TENANT_TAG
@@ -52,11 +63,13 @@ class PoolAdmin:
             return await self._evict(req, owner)
         if req.op == "pin":
             keys = self.core.pin(req.model_fingerprint, req.block_hashes, owner)
+            self.changes.pinned(keys)
             affected = 0
             for key, h in zip(keys, req.block_hashes):
                 affected += await self.io.pin_storage(req.model_fingerprint, key, h)
             return PoolAdminReply(ok=True, affected=affected)
         keys = self.core.unpin(req.model_fingerprint, req.block_hashes, owner)
+        self.changes.unpinned(keys)
         affected = 0
         for key in keys:
             affected += await self.io.unpin_storage(key)
@@ -64,6 +77,7 @@ class PoolAdmin:
 
     async def _clear(self, req: PoolAdminRequest, tenant_tag: str | None) -> PoolAdminReply:
         tag = model_tag(req.model_fingerprint) if req.model_fingerprint else None
+        self.changes.cleared(tag, tenant_tag)
         if tenant_tag is None:
             affected = self.core.forget_tag(tag)
         else:
@@ -78,6 +92,7 @@ class PoolAdmin:
         and cold whatever the index believed (a rebuild may not have indexed them yet; a write-through
         in flight deletes what it writes). `affected` counts the blocks the index held."""
         keys, held = self.core.evict(req.model_fingerprint, req.block_hashes, tenant_tag)
+        self.changes.dropped(keys)
         down = await self.io.delete_everywhere(keys)
         if down:  # a down tier keeps its copies until its TTL, a later evict, or a rebuild indexes them
             log.warning("evict of %d blocks: %s down, its copies were not deleted", len(keys),
@@ -114,6 +129,7 @@ class PoolAdmin:
         counters["index_blocks"] = core.num_blocks()
         counters["worker_blocks"] = sum(core.num_worker_blocks().values())
         counters["pending_purges"] = len(core.pending_purges) + len(core.pending_tenant_purges)
+        counters.update(self.replica_counters())
         ledgers = core.tenant_usage(tenant_tag) if with_tenants else {}
         if with_tenants:
             counters["tenants"] = len(ledgers)

@@ -66,6 +66,9 @@ class PoolCore:
         self.renew_margin_s = min(3 * sweep_interval_s, warm_ttl_s / 2)
         self.has_warm = has_warm
         self.has_cold = has_cold
+        # Worker events kept aside while a joining replica waits for another's worker-cache snapshot
+        # (hold_worker_events / install_worker_caches); None: applied as they come.
+        self._held_worker_events: list[tuple[str, str, tuple]] | None = None
 
     # --- the parts' state, under the names callers know ----------------------------------------------
     @property
@@ -242,10 +245,13 @@ class PoolCore:
     def unpin(self, model_fingerprint: str, chain: Iterable[bytes],
               tenant_tag: str = ANONYMOUS_TENANT_TAG) -> list[BlockKey]:
         keys = self.index.keys_of(model_fingerprint, chain, tenant_tag)
+        self.unpin_keys(keys)
+        return keys
+
+    def unpin_keys(self, keys: Iterable[BlockKey]) -> None:
         for key in keys:
             self.index.unpin(key)
             self.hot.unpin(key)
-        return keys
 
     def evict(self, model_fingerprint: str, chain: Iterable[bytes],
               tenant_tag: str = ANONYMOUS_TENANT_TAG) -> tuple[list[BlockKey], int]:
@@ -255,6 +261,13 @@ class PoolCore:
 
         Worker-local caches are not touched: a worker that still holds a block keeps reporting it."""
         keys = self.index.keys_of(model_fingerprint, chain, tenant_tag)
+        held = self.drop_blocks(keys)
+        self.counters.evicted += held
+        return keys, held
+
+    def drop_blocks(self, keys: Iterable[BlockKey]) -> int:
+        """Forget these blocks in index, hot, pins and tenant accounting (an evict, or another replica's
+        evict or quota eviction); how many of them the index held."""
         held = 0
         for key in keys:
             self.index.unpin(key)
@@ -265,8 +278,7 @@ class PoolCore:
                 continue
             held += 1
             self._drop(key.model_tag, key.block_hash, e)
-        self.counters.evicted += held
-        return keys, held
+        return held
 
     # --- models -----------------------------------------------------------------------------------------
     def is_invalidated(self, model_fingerprint: str) -> bool:
@@ -297,12 +309,33 @@ class PoolCore:
         self.hot.take_events()  # clear() emits none, but keep the queue consistent
         return dropped
 
+    def models_state(self) -> tuple[dict[str, str], list[str]]:
+        """The current fingerprint of each model name and the invalidated tags (for a joining replica)."""
+        return dict(self.index.current), sorted(self.index.invalidated)
+
+    def restore_models(self, current: dict[str, str], invalidated: Iterable[str]) -> None:
+        """Take another replica's model state: its current fingerprints, and its invalidated tags, whose
+        blocks this index drops (a rebuild may have listed some) without queueing a purge of its own (the
+        leader purges)."""
+        for name, fingerprint in current.items():
+            self.index.current.setdefault(name, fingerprint)
+        for tag in invalidated:
+            if tag in self.index.invalidated:
+                continue
+            queued = tag in self.index.pending_purges
+            self.invalidate_tag(tag)
+            if not queued:
+                self.index.pending_purges.discard(tag)
+
     def purge_done(self, tag: str) -> None:
         self.index.pending_purges.discard(tag)
 
     # --- worker-local caches ----------------------------------------------------------------------------
     def worker_stored(self, worker_id: str, model_fingerprint: str, hashes: Iterable[bytes],
                       seq: int, now: float) -> None:
+        if self._held_worker_events is not None:
+            self._held_worker_events.append(("stored", worker_id, (model_fingerprint, list(hashes), seq, now)))
+            return
         tag = model_tag(model_fingerprint)
         hashes = list(hashes)
         if self.workers.stored(worker_id, tag, hashes, seq, now):
@@ -312,11 +345,18 @@ class PoolCore:
 
     def worker_removed(self, worker_id: str, model_fingerprint: str, hashes: Iterable[bytes],
                        all_blocks: bool, seq: int, now: float) -> None:
+        if self._held_worker_events is not None:
+            self._held_worker_events.append(("removed", worker_id,
+                                             (model_fingerprint, list(hashes), all_blocks, seq, now)))
+            return
         tag = "" if all_blocks else model_tag(model_fingerprint)
         if self.workers.removed(worker_id, tag, hashes, all_blocks, seq, now):
             self.counters.worker_event_gaps += 1
 
     def forget_worker(self, worker_id: str) -> None:
+        if self._held_worker_events is not None:
+            self._held_worker_events.append(("forget", worker_id, ()))
+            return
         self.workers.forget(worker_id)
 
     def num_worker_blocks(self) -> dict[str, int]:
@@ -324,7 +364,42 @@ class PoolCore:
         return self.workers.num_blocks()
 
     def worker_alive(self, worker_id: str, now: float) -> None:
+        if self._held_worker_events is not None:
+            self._held_worker_events.append(("alive", worker_id, (now,)))
+            return
         self.workers.alive(worker_id, now)
+
+    def hold_worker_events(self) -> None:
+        """Keep worker events and heartbeats aside from now until `install_worker_caches` (a joining
+        replica, while another replica's snapshot of the worker caches comes)."""
+        self._held_worker_events = []
+
+    def install_worker_caches(self, caches: Iterable[tuple[str, int, float, dict[str, list[bytes]]]]) -> int:
+        """Take the workers of a snapshot (worker id, last event number, last seen, model tag -> hashes),
+        then apply the events held meanwhile that the snapshot does not hold: those of workers it does
+        not name, unnumbered ones, and those numbered after the snapshot's. Returns how many events were
+        applied; events flow as usual from now on."""
+        held, self._held_worker_events = self._held_worker_events or [], None
+        snapshot_seq: dict[str, int] = {}
+        for worker_id, seq, seen, by_tag in caches:
+            self.workers.restore(worker_id, by_tag, seq, seen)
+            snapshot_seq[worker_id] = seq
+        applied = 0
+        for kind, worker_id, args in held:
+            if kind in ("stored", "removed"):
+                seq = args[-2]
+                if 0 < seq <= snapshot_seq.get(worker_id, 0):
+                    continue  # in the snapshot already
+                if kind == "stored":
+                    self.worker_stored(worker_id, *args)
+                else:
+                    self.worker_removed(worker_id, *args)
+            elif kind == "forget":
+                self.forget_worker(worker_id)
+            else:
+                self.worker_alive(worker_id, *args)
+            applied += 1
+        return applied
 
     def stale_workers(self, now: float, after_s: float) -> list[str]:
         return self.workers.stale(now, after_s)

@@ -29,3 +29,8 @@ class Counters:
     purged: int = 0
     warm_writes_dropped: int = 0
     evicted: int = 0  # blocks the index held that an admin evict removed
+    # replicas (docs/ru-pool.md, "Replicas")
+    sweeps: int = 0  # lifecycle sweeps this replica carried out as the leader
+    index_changes_sent: int = 0  # PoolIndexChanges messages published to the other replicas
+    index_changes_applied: int = 0  # ... received from them and applied
+    index_change_gaps: int = 0  # messages of another replica lost (its seq jumped): warm is re-listed

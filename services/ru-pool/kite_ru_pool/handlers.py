@@ -12,9 +12,15 @@ counts; handlers here return the reply (None for events) or raise Refusal.
     kite.v1.pool.lookup          ru-pool   PoolLookupReply     lookup   (span kite.ru_pool.lookup)
     kite.v1.pool.get             ru-pool   PoolGetReply        get      (span kite.ru_pool.get)
     kite.v1.pool.admin           ru-pool   PoolAdminReply      admin
-    kite.v1.pool.block_events    ru-pool   none                block_event
+    kite.v1.pool.replica.<instance>.{put,lookup,get,admin}   -   the same, this replica only
+    kite.v1.pool.block_events    -         none                block_event
     kite.v1.model.fingerprint    -         none                model_fingerprint
     kite.v1.heartbeat.worker     -         none                worker_heartbeat
+
+The queue-group subjects (`shared_endpoints`) are what clients use: any replica answers, each holding the
+whole index. The others (`own_endpoints`) reach every replica: worker events and fingerprints, so each
+replica keeps the whole worker-cache index and the same invalidations; and the replica's own subjects.
+What replicas say to each other is replicas.py's.
 """
 
 from __future__ import annotations
@@ -64,7 +70,9 @@ class TimedEndpoint(Endpoint):
 
 class PoolHandlers:
     def __init__(self, core: PoolCore, io: TierIO, admin: PoolAdmin, maintenance: Maintenance, nc: NATS,
-                 handoff: HandoffFolder | None, host_id: str, clock: Callable[[], float]) -> None:
+                 handoff: HandoffFolder | None, host_id: str, clock: Callable[[], float],
+                 instance_id: str = "ru-pool") -> None:
+        self.instance_id = instance_id  # names this replica's own subjects (subjects.pool_replica)
         self.core = core
         self.io = io
         self.admin = admin
@@ -75,19 +83,35 @@ class PoolHandlers:
         self.clock = clock
 
     def endpoints(self) -> list[Endpoint]:
-        q = subjects.RU_POOL_QUEUE
+        """Every endpoint of the pool's handler table."""
+        return self.shared_endpoints() + self.own_endpoints()
+
+    def shared_endpoints(self) -> list[Endpoint]:
+        """Puts, lookups, gets and admin on the `ru-pool` queue group: one replica answers each."""
+        return self._block_path(subjects.RU_POOL_QUEUE, {op: subject for op, subject in (
+            ("put", subjects.POOL_PUT), ("lookup", subjects.POOL_LOOKUP), ("get", subjects.POOL_GET),
+            ("admin", subjects.POOL_ADMIN))})
+
+    def own_endpoints(self) -> list[Endpoint]:
+        """What reaches every replica: worker events, heartbeats and fingerprints; and this replica's own
+        put, lookup, get and admin subjects."""
         return [
-            Endpoint(subjects.POOL_PUT, bytes, self.put, queue=q),
-            TimedEndpoint(subjects.POOL_LOOKUP, PoolLookupRequest.decode, self.lookup,
-                          refuse=lambda error: PoolLookupReply(error=error), queue=q,
-                          span="kite.ru_pool.lookup", seconds=metrics.POOL_LOOKUP_SECONDS),
-            Endpoint(subjects.POOL_GET, PoolGetRequest.decode, self.get,
-                     refuse=lambda error: PoolGetReply(error=error), queue=q, span="kite.ru_pool.get"),
-            Endpoint(subjects.POOL_ADMIN, PoolAdminRequest.decode, self.admin.handle,
-                     refuse=lambda error: PoolAdminReply(ok=False, error=error), queue=q),
-            Endpoint(subjects.POOL_BLOCK_EVENTS, BLOCK_EVENT.decode, self.block_event, queue=q),
+            Endpoint(subjects.POOL_BLOCK_EVENTS, BLOCK_EVENT.decode, self.block_event),
             Endpoint(subjects.MODEL_FINGERPRINT, ModelFingerprintChanged.decode, self.model_fingerprint),
             Endpoint(subjects.heartbeat("worker"), Heartbeat.decode, self.worker_heartbeat),
+        ] + self._block_path("", {op: subjects.pool_replica(self.instance_id, op)
+                                  for op in subjects.POOL_REPLICA_OPS})
+
+    def _block_path(self, queue: str, subject: dict[str, str]) -> list[Endpoint]:
+        return [
+            Endpoint(subject["put"], bytes, self.put, queue=queue),
+            TimedEndpoint(subject["lookup"], PoolLookupRequest.decode, self.lookup,
+                          refuse=lambda error: PoolLookupReply(error=error), queue=queue,
+                          span="kite.ru_pool.lookup", seconds=metrics.POOL_LOOKUP_SECONDS),
+            Endpoint(subject["get"], PoolGetRequest.decode, self.get,
+                     refuse=lambda error: PoolGetReply(error=error), queue=queue, span="kite.ru_pool.get"),
+            Endpoint(subject["admin"], PoolAdminRequest.decode, self.admin.handle,
+                     refuse=lambda error: PoolAdminReply(ok=False, error=error), queue=queue),
         ]
 
     # --- the block path ---------------------------------------------------------------------------------
@@ -151,6 +175,10 @@ class PoolHandlers:
         tags = self.core.model_fingerprint_changed(ev.model_name, ev.model_fingerprint,
                                                    ev.previous_fingerprint)
         if tags:
-            log.info("model %s now has fingerprint %s; blocks of %s invalidated, purging in the background",
-                     ev.model_name, model_tag(ev.model_fingerprint), ", ".join(tags))
-            self.maintenance.purge_in_background()
+            # Every replica hears this and invalidates; the leader purges the storage.
+            leading = self.maintenance.leading()
+            log.info("model %s now has fingerprint %s; blocks of %s invalidated%s", ev.model_name,
+                     model_tag(ev.model_fingerprint), ", ".join(tags),
+                     ", purging in the background" if leading else " (the leading replica purges them)")
+            if leading:
+                self.maintenance.purge_in_background()

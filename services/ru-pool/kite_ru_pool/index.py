@@ -73,7 +73,7 @@ class BlockIndex:
         self.pending_purges: set[str] = set()  # invalidated or cleared tags whose storage needs purging
         # (model tag or ALL_TAGS, tenant tag) of tenant clears whose storage needs purging
         self.pending_tenant_purges: set[tuple[str, str]] = set()
-        self._current: dict[str, str] = {}  # model name -> current fingerprint
+        self.current: dict[str, str] = {}  # model name -> current fingerprint
 
     # --- where blocks live ---------------------------------------------------------------------------
     def entry(self, key: BlockKey) -> Entry | None:
@@ -213,8 +213,8 @@ class BlockIndex:
         new_tag = model_tag(fingerprint)
         self.invalidated.discard(new_tag)  # rolling back to earlier weights makes them valid again
         self.pending_purges.discard(new_tag)
-        old = {fp for fp in (self._current.get(name, ""), previous) if fp}
-        self._current[name] = fingerprint
+        old = {fp for fp in (self.current.get(name, ""), previous) if fp}
+        self.current[name] = fingerprint
         return sorted({model_tag(fp) for fp in old} - {new_tag})
 
     def forget_tags(self, tag: str | None) -> tuple[list[str], int]:

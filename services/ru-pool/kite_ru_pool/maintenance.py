@@ -11,6 +11,13 @@ rebuild and purges in the background (background.py).
 The index is rebuildable: a fresh pool (or one whose Redis came back empty) learns every stored block from
 the tiers' key listings (size, owner, idle time, pin), so nothing here depends on the process that wrote
 the blocks.
+
+Replicas (docs/ru-pool.md, "Replicas"): the work on the shared tiers (archival, renewal, cold expiry,
+purges, the warm re-listing after an outage) is the leader's only (`leading`, from the replica layer's
+lease); what it changes goes to the other replicas through the index change log (tier_io.TierIO's
+note_* methods). Every replica, leader or not, rebuilds its own index at start, probes its own tier
+clients, forgets silent workers from its own worker-cache index, rewrites its own hot blocks that warm
+lost, and walks its index at each sweep for the telemetry's totals.
 """
 
 from __future__ import annotations
@@ -37,10 +44,14 @@ SWEEP_STEP_ENTRIES = 1000  # index entries a sweep examines per event-loop turn 
 
 class Maintenance:
     def __init__(self, core: PoolCore, io: TierIO, tiers: TierClient, clock: Callable[[], float],
-                 background: BackgroundTasks, sweep_interval_s: float, freeze_gc: bool = False) -> None:
+                 background: BackgroundTasks, sweep_interval_s: float, freeze_gc: bool = False,
+                 leading: Callable[[], bool] = lambda: True) -> None:
         """`freeze_gc`: keep the cyclic GC off the index (gc_freeze); only the pool's own process sets
-        it, so pools started inside a test runner leave the runner's GC alone."""
+        it, so pools started inside a test runner leave the runner's GC alone. `leading`: whether this
+        replica holds the maintenance lease now (a lone pool always does)."""
         self.core = core
+        self.leading = leading
+        self.changes = io.changes
         self.io = io
         self.tiers = tiers
         self.warm = tiers.warm
@@ -51,6 +62,8 @@ class Maintenance:
         self.gc = IndexGcFreezer(enabled=freeze_gc)
         self._swept_totals: dict[str, tuple[int, int]] | None = None
         self._warm_resync = asyncio.Event()
+        self._relist_warm = False  # changes of another replica were lost: list warm even as a follower
+        self.rebuilt = asyncio.Event()  # set once the start's index rebuild has ended
         self._wake = asyncio.Event()  # a sweep now rather than at the end of the interval
         if self.warm is not None:
             self.warm.on_recover(self._on_warm_recovered)
@@ -71,6 +84,7 @@ class Maintenance:
 
     async def _rebuild(self) -> None:
         started = time.perf_counter()
+        self.rebuilt.clear()
         try:
             counts = {}
             for tier, bit in ((self.warm, WARM), (self.cold, COLD)):
@@ -81,6 +95,7 @@ class Maintenance:
                      ", ".join(f"{n} {c if c >= 0 else 'unavailable'}" for n, c in counts.items()))
         finally:
             self.io.rebuilding = False
+            self.rebuilt.set()
 
     async def _index_tier(self, tier: RemoteTier, bit: int) -> int:
         """Add what `tier` holds to the index; -1 when it could not be listed (retried on recovery)."""
@@ -106,31 +121,53 @@ class Maintenance:
         self._warm_resync.set()
         self._wake.set()
 
-    async def _resync_warm(self) -> None:
-        """After a warm outage: forget warm copies that are gone (e.g. Redis restarted empty), index
-        what is there, and write hot blocks that warm lacks (the write-through backlog)."""
+    def wake(self) -> None:
+        """Sweep now rather than at the end of the interval (this replica just took the lease)."""
+        self._wake.set()
+
+    def changes_lost(self) -> None:
+        """Another replica's changes were lost on the way: re-list warm at the next sweep (leader or not)."""
+        self._relist_warm = True
+        self._warm_resync.set()
+        self._wake.set()
+
+    async def _resync_warm(self, relist: bool = True) -> None:
+        """After a warm outage: forget warm copies that are gone (e.g. Redis restarted empty) and index
+        what is there (`relist`: the leader, which tells the other replicas what changed; a replica that
+        lost changes, for itself), then write this replica's own hot blocks that warm lacks (the
+        write-through backlog)."""
         present: set[BlockKey] = set()
-        now = self.clock()
-        try:
-            async for item in self.warm.iter_keys():
-                present.add(item.key)
-                if not self.core.tiers_of(item.key) & WARM and not self.core.is_tag_invalidated(item.key.model_tag):
-                    last_hit = now - item.idle_s if item.idle_s is not None else now
-                    self.core.note_stored(item.key, WARM, item.size, now, last_hit=last_hit)
-        except TierUnavailable as exc:
-            log.warning("warm resync interrupted (%s); retrying when warm is back", exc)
-            self._warm_resync.set()
-            return
-        lost = [k for k in self.core.keys_in(WARM) if k not in present]
-        for key in lost:
-            self.core.note_missing(key, WARM)
+        lost: list[BlockKey] = []
+        if relist:
+            now = self.clock()
+            shared = self.leading()
+            note_stored = self.io.note_stored if shared else self.core.note_stored
+            try:
+                async for item in self.warm.iter_keys():
+                    present.add(item.key)
+                    if not self.core.tiers_of(item.key) & WARM and not self.core.is_tag_invalidated(item.key.model_tag):
+                        last_hit = now - item.idle_s if item.idle_s is not None else now
+                        note_stored(item.key, WARM, item.size, now, last_hit=last_hit)
+            except TierUnavailable as exc:
+                log.warning("warm resync interrupted (%s); retrying when warm is back", exc)
+                self._warm_resync.set()
+                return
+            lost = [k for k in self.core.keys_in(WARM) if k not in present]
+            for key in lost:
+                if shared:
+                    self.io.note_missing(key, WARM)
+                else:
+                    self.core.note_missing(key, WARM)
         backlog = [k for k in self.core.keys_in(HOT) if not self.core.tiers_of(k) & WARM]
         for key in backlog:
             data = self.core.hot.peek(key)
             if data is not None and await self.warm.put(key, data, pinned=self.core.is_pinned(key)):
-                self.core.note_stored(key, WARM, len(data), self.clock())
-        log.info("warm resync: %d blocks present, %d forgotten, %d rewritten from hot",
-                 len(present), len(lost), len(backlog))
+                self.io.note_stored(key, WARM, len(data))
+        if relist:
+            log.info("warm resync: %d blocks present, %d forgotten, %d rewritten from hot",
+                     len(present), len(lost), len(backlog))
+        elif backlog:
+            log.info("warm back: %d blocks rewritten from hot", len(backlog))
 
     # --- purges -------------------------------------------------------------------------------------------
     def purge_in_background(self) -> None:
@@ -143,10 +180,12 @@ class Maintenance:
             what = "every model" if tag == ALL_TAGS else f"model {tag}"
             if await self._purge_listed(None if tag == ALL_TAGS else tag, None, what):
                 self.core.purge_done(tag)
+                self.changes.purged(tag)
         for tag, tenant in sorted(self.core.pending_tenant_purges):
             what = f"tenant {tenant}" + ("" if tag == ALL_TAGS else f", model {tag}")
             if await self._purge_listed(None if tag == ALL_TAGS else tag, tenant, what):
                 self.core.pending_tenant_purges.discard((tag, tenant))
+                self.changes.purged(tag, tenant)
 
     async def _purge_listed(self, tag: str | None, tenant_tag: str | None, what: str) -> bool:
         complete = True
@@ -181,14 +220,18 @@ class Maintenance:
 
     async def sweep_once(self) -> None:
         """Probe down tiers, resync warm after an outage, purge, forget silent workers, then archive /
-        renew / expire."""
+        renew / expire. A replica that does not lead does the first, the backlog part of the resync, the
+        forgetting and the walk (for its totals), and leaves the shared tiers to the leader."""
+        leading = self.leading()
         for tier in self.tiers.tiers:
             if not tier.up:
                 await tier.ping()
         if self._warm_resync.is_set() and self.warm is not None and self.warm.up and not self.rebuilding:
             self._warm_resync.clear()
-            await self._resync_warm()
-        await self.purge_pending()
+            relist, self._relist_warm = leading or self._relist_warm, False
+            await self._resync_warm(relist)
+        if leading:
+            await self.purge_pending()
         now = self.clock()
         for worker_id in self.core.stale_workers(now, WORKER_FORGET_AFTER_S):
             log.info("forgetting the local cache of worker %s: silent for %.0f s", worker_id,
@@ -204,6 +247,9 @@ class Maintenance:
         actions = sweep.actions()
         if not self.rebuilding:
             self.gc.maybe_freeze(self.core.num_blocks())
+        if not leading or not self.leading():  # (the lease may have gone during the walk)
+            return
+        self.core.counters.sweeps += 1
         sem = asyncio.Semaphore(FETCH_CONCURRENCY)
 
         async def run(action) -> None:
@@ -222,14 +268,14 @@ class Maintenance:
         key = action.key
         if isinstance(action, RenewWarm):
             if await self.warm.set_pinned(key, False):  # EXPIRE key ttl: the lease restarts
-                self.core.note_renewed(key, self.clock())
+                self.io.note_renewed(key)
                 self.core.counters.warm_renewed += 1
             elif self.warm.up:
-                self.core.note_missing(key, WARM)
+                self.io.note_missing(key, WARM)
             return
         if isinstance(action, ExpireCold):
             if await self.cold.delete(key) or self.cold.up:
-                self.core.note_missing(key, COLD)
+                self.io.note_missing(key, COLD)
                 self.core.counters.cold_expired += 1
                 metrics.TIER_EVICTIONS.labels("cold").inc()
             return
@@ -238,17 +284,17 @@ class Maintenance:
             data = await self.warm.get(key)
             if data is None:
                 if self.warm.up:
-                    self.core.note_missing(key, WARM)
+                    self.io.note_missing(key, WARM)
                 return
             if not self.io.intact(key, data, "warm"):
                 await self.warm.delete(key)
-                self.core.note_missing(key, WARM)
+                self.io.note_missing(key, WARM)
                 return
             if not await self.cold.put(key, data):
                 return  # cold down: stays in warm, retried next sweep
-            self.core.note_stored(key, COLD, len(data), self.clock())
+            self.io.note_stored(key, COLD, len(data))
         if await self.warm.delete(key) or self.warm.up:
-            self.core.note_missing(key, WARM)
+            self.io.note_missing(key, WARM)
             self.core.counters.archived += 1
             metrics.TIER_EVICTIONS.labels("warm").inc()
             metrics.TIER_DEMOTIONS.inc()

@@ -5,6 +5,9 @@
       maintenance.Maintenance   index rebuild, warm resync, purges, the lifecycle sweep
         tier_io.TierIO      puts, gets, moves between tiers, verification
           core.PoolCore     the pure core (index, tenants, hot tier, worker caches, lifecycle)
+    replicas.Replicas       index changes to and from the other replicas, the worker-cache snapshot,
+                            the maintenance lease, the other replicas' heartbeats
+      index_changes         the change log (recorded by tier I/O, maintenance, admin) and applying it
     background.BackgroundTasks   the writes that run after a reply (waited for on stop)
     telemetry               PoolTelemetry and the event-loop lag probe
 
@@ -13,8 +16,12 @@ hand-off sweep) go through a kite_shared.service.ServiceRuntime, which owns them
 `stop` ends them first anyway, so the pool stops taking work before it finishes its background writes
 and closes the tier clients.
 
-One replica per deployment: the index is in this process, rebuilt from warm (Redis SCAN) and cold
-(object listing) at start and after warm comes back from an outage.
+Any number of replicas (docs/ru-pool.md, "Replicas"): each keeps the whole index, rebuilt from warm (Redis
+SCAN) and cold (object listing) at start and kept in step by the others' index changes; the hot tier is
+each replica's own. A replica that finds others running (one answers its worker-cache snapshot request)
+joins the `ru-pool` queue group once its rebuild is done, so it answers right from its first request; the
+first replica serves at once, answering from what the rebuild indexed so far. Only the holder of the
+lease (KITE_POOL_LEASE_S) runs the maintenance on the shared tiers.
 """
 
 from __future__ import annotations
@@ -36,7 +43,9 @@ from kite_ru_pool.admin import PoolAdmin
 from kite_ru_pool.background import BackgroundTasks
 from kite_ru_pool.core import PoolCore
 from kite_ru_pool.handlers import PoolHandlers
+from kite_ru_pool.index_changes import IndexChangeLog
 from kite_ru_pool.maintenance import Maintenance
+from kite_ru_pool.replicas import Replicas
 from kite_ru_pool.telemetry import pool_telemetry, probe_loop_lag
 from kite_ru_pool.tier_io import TierIO
 
@@ -48,10 +57,12 @@ HANDOFF_SWEEP_INTERVAL_S = 10.0
 class PoolService:
     def __init__(self, cfg: RuPoolConfig, tier_cfg: TierConfig, nc: NATS,
                  tiers: TierClient | None = None, clock: Callable[[], float] = time.time,
-                 ru_key: bytes | None = None, instance_id: str = "ru-pool", freeze_gc: bool = False) -> None:
-        """`instance_id` names its telemetry; `freeze_gc`: keep the cyclic GC off the index
-        (kite_ru_pool.gc_freeze); only the pool's own process sets it, so pools started inside a test
-        runner leave the runner's GC alone."""
+                 ru_key: bytes | None = None, instance_id: str = "ru-pool", freeze_gc: bool = False,
+                 heartbeat_interval_s: float = 1.0) -> None:
+        """`instance_id` names this replica (telemetry, its own subjects, the lease; unique per replica);
+        `freeze_gc`: keep the cyclic GC off the index (kite_ru_pool.gc_freeze); only the pool's own
+        process sets it, so pools started inside a test runner leave the runner's GC alone;
+        `heartbeat_interval_s`: the replicas' heartbeat interval (how soon a silent one counts as gone)."""
         self.cfg = cfg
         self.instance_id = instance_id
         self.nc = nc
@@ -70,14 +81,21 @@ class PoolService:
         self.host_id = handoff.host_id()
         self.handoff = handoff.open_folder(cfg.handoff_dir)
         self.background = BackgroundTasks()
-        self.io = TierIO(self.core, self.tiers, self.ru_key, clock, self.background)
+        self.changes = IndexChangeLog()  # what this replica changes in the shared tiers, for the others
+        self.io = TierIO(self.core, self.tiers, self.ru_key, clock, self.background, self.changes)
+        self.replicas: Replicas | None = None  # set below: Maintenance asks it who leads
         self.maintenance = Maintenance(self.core, self.io, self.tiers, clock, self.background,
-                                       cfg.sweep_interval_s, freeze_gc)
-        self.admin = PoolAdmin(self.core, self.io, self.maintenance)
+                                       cfg.sweep_interval_s, freeze_gc, leading=lambda: self.replicas.leading())
+        self.replicas = Replicas(self.core, self.maintenance, self.changes, self.background, nc, instance_id,
+                                 cfg.lease_s, heartbeat_interval_s, has_warm=self.warm is not None, clock=clock)
+        self.admin = PoolAdmin(self.core, self.io, self.maintenance,
+                               lambda: {**self.replicas.counters(), "serving": int(self.serving)})
         self.handlers = PoolHandlers(self.core, self.io, self.admin, self.maintenance, nc, self.handoff,
-                                     self.host_id, clock)
+                                     self.host_id, clock, instance_id)
         self._subs: list = []
         self._tasks: list[asyncio.Task] = []
+        self._join: asyncio.Task | None = None
+        self.serving = False  # answering the queue-group subjects (a joining replica waits for its rebuild)
 
     @property
     def rebuilding(self) -> bool:
@@ -94,8 +112,25 @@ class PoolService:
         rt = rt or _runtime_over(self.nc, self.instance_id)
         await self.tiers.start()
         self.maintenance.start_rebuild()
-        self._subs = await rt.serve(*self.handlers.endpoints())
+        # Worker events wait aside until the worker caches of a running replica are in (replicas.py).
+        self.core.hold_worker_events()
+        # What reaches every replica, from the start: the others' index changes and heartbeats, worker
+        # events and fingerprints, and this replica's own subjects.
+        self._subs = await rt.serve(*self.replicas.endpoints(), *self.handlers.own_endpoints())
+        try:
+            await self.replicas.keep_lease()  # a lone pool leads at once
+        except Exception as exc:  # JetStream slow or away: the periodic renewal tries again
+            log.warning("maintenance lease not taken yet: %r", exc)
+        joining = await self.replicas.fetch_worker_caches()
+        self._subs += await rt.serve(self.replicas.snapshot_endpoint())
+        if joining:  # the others answer meanwhile; this replica takes its share once its index is whole
+            self._join = asyncio.create_task(self._join_when_rebuilt(rt))
+        else:
+            self._subs += await rt.serve(*self.handlers.shared_endpoints())
+            self.serving = True
         self._tasks = [
+            rt.every(self.replicas.lease.renew_interval_s, self.replicas.keep_lease, "ru-pool maintenance lease"),
+            rt.every(self.replicas.heartbeat_interval_s, self.replicas.watch_peers, "ru-pool replicas"),
             # the sweep waits for its interval itself (or for warm coming back): back to back
             rt.every(0.0, self.maintenance.sweep_when_due, "lifecycle sweep"),
             # issue 4: how late the event loop runs (kite_pool_event_loop_lag_seconds)
@@ -108,9 +143,20 @@ class PoolService:
             self._tasks.append(rt.every(HANDOFF_SWEEP_INTERVAL_S, self.handlers.sweep_handoff,
                                         "hand-off folder sweep"))
 
+    async def _join_when_rebuilt(self, rt: ServiceRuntime) -> None:
+        await self.maintenance.rebuilt.wait()
+        self._subs += await rt.serve(*self.handlers.shared_endpoints())
+        self.serving = True
+        log.info("joined the ru-pool queue group: index of %d blocks, %d workers' caches",
+                 self.core.num_blocks(), len(self.core.num_worker_blocks()))
+
     async def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop taking work, end the periodic work, let background writes finish (bounded), close the
-        tier clients. The runtime's drain callback in the pool's process."""
+        """Stop taking work, end the periodic work, let background writes finish (bounded), tell the
+        other replicas the last changes, hand the maintenance lease over, close the tier clients. The
+        runtime's drain callback in the pool's process."""
+        if self._join is not None and not self._join.done():
+            self._join.cancel()
+        self.serving = False
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
@@ -124,6 +170,11 @@ class PoolService:
         unfinished = await self.background.finish(timeout_s)
         if unfinished:
             log.warning("stopped with %d background tier operations unfinished", unfinished)
+        try:
+            await self.replicas.flush()
+            await self.replicas.resign()
+        except Exception as exc:  # the bus is gone: the others see a gap, the lease ages out
+            log.warning("could not tell the other replicas goodbye: %r", exc)
         await self.tiers.close()
         if self.handoff is not None:
             self.handoff.remove()

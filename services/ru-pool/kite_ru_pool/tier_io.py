@@ -5,6 +5,8 @@ verification of units copied between tiers.
 
 Boundary: calls the pure core (core.PoolCore) and the tier clients (kite_shared.tiers: RedisTier,
 S3Tier/LocalDirTier behind TierClient); knows nothing of NATS or messages but the PoolGetReply it builds.
+Every change it makes to what warm and cold hold is also recorded in the index change log
+(index_changes.IndexChangeLog), which the replica layer sends to the other replicas.
 No call waits on a slow tier longer than that tier's timeout, and writes run as background tasks
 (background.py), so a put returns as soon as the unit is verified and in the hot tier. Warm/cold failures
 only mark the tier down (kite_shared.tiers.base): the pool keeps answering, with misses for that tier.
@@ -24,6 +26,7 @@ from kite_shared.tiers.client import TierClient
 from kite_shared.tiers.keys import BlockKey, model_tag
 from kite_ru_pool.background import BackgroundTasks
 from kite_ru_pool.core import COLD, HOT, WARM, Demote, DropBlock, PoolCore
+from kite_ru_pool.index_changes import IndexChangeLog
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +36,10 @@ FETCH_CONCURRENCY = 8  # warm/cold reads one get runs at once
 
 class TierIO:
     def __init__(self, core: PoolCore, tiers: TierClient, ru_key: bytes, clock: Callable[[], float],
-                 background: BackgroundTasks) -> None:
+                 background: BackgroundTasks, changes: IndexChangeLog | None = None) -> None:
         self.core = core
+        # What this replica changes in warm and cold, for the other replicas (none: a disabled log).
+        self.changes = changes if changes is not None else IndexChangeLog(enabled=False)
         self.tiers = tiers
         self.warm = tiers.warm
         self.cold = tiers.cold
@@ -80,6 +85,7 @@ class TierIO:
             return "over_quota"
         if drops:
             metrics.POOL_QUOTA_EVICTIONS.inc(len(drops))
+            self.changes.dropped(drop.key for drop in drops)
             for drop in drops:
                 self.drop_stored(drop)
         data = bytes(data)
@@ -101,7 +107,7 @@ class TierIO:
                 if key in self._dropped_while_writing:
                     await self.warm.delete(key)  # a quota eviction or clear took it meanwhile
                     return
-                self.core.note_stored(key, WARM, len(data), self.clock(), depth=depth)
+                self.note_stored(key, WARM, len(data), depth=depth)
             elif not self.core.tiers_of(key) and self.cold is not None:
                 # Neither hot (did not fit) nor warm (down) holds it: keep it in cold rather than lose it.
                 await self.demote(Demote(key, data, COLD))
@@ -151,11 +157,13 @@ class TierIO:
                 stop = len(found) < len(batch)
             for unit_bytes, letter in found:
                 if len(unit_bytes) > budget:
+                    self._note_read(model_fingerprint, hashes[:len(units)], tenant_tag)
                     return PoolGetReply(units=units, tiers=bytes(letters), complete=False,
                                         error=ErrorInfo(code="too_large", message=(
                                             f"a unit of {len(unit_bytes)} bytes exceeds the reply budget "
                                             f"of {budget}; read it from the tiers directly")))
                 if total + len(unit_bytes) > budget:
+                    self._note_read(model_fingerprint, hashes[:len(units)], tenant_tag)
                     return PoolGetReply(units=units, tiers=bytes(letters), complete=False)
                 units.append(unit_bytes)
                 letters += letter.encode()
@@ -163,7 +171,16 @@ class TierIO:
             i += len(found)
             if stop:
                 break
+        self._note_read(model_fingerprint, hashes[:len(units)], tenant_tag)
         return PoolGetReply(units=units, tiers=bytes(letters), complete=True)
+
+    def _note_read(self, model_fingerprint: str, hashes: list[bytes], tenant_tag: str) -> None:
+        """Tell the other replicas these blocks were read (their sweeps then do not archive or expire
+        them as idle); only blocks the shared tiers hold matter to them."""
+        if not hashes or not self.changes.enabled:
+            return
+        keys = [BlockKey.of(model_fingerprint, h, tenant_tag) for h in hashes]
+        self.changes.hits([k for k in keys if self.core.tiers_of(k) & (WARM | COLD)], self.clock())
 
     async def _fetch_remote(self, model_fingerprint: str, block_hash: bytes,
                             tenant_tag: str) -> tuple[bytes, str] | None:
@@ -181,7 +198,7 @@ class TierIO:
             found = await tier.get_unit(model_fingerprint, block_hash, tenant_tag)
             if found is None:
                 if known & bit and tier.up:
-                    self.core.note_missing(key, bit)  # expired, deleted or corrupt: not there any more
+                    self.note_missing(key, bit)  # expired, deleted or corrupt: not there any more
                 continue
             _, data = found
             now = self.clock()
@@ -199,7 +216,7 @@ class TierIO:
 
     async def _promote_to_warm(self, key: BlockKey, data: bytes) -> None:
         if await self.warm.put(key, data, pinned=self.core.is_pinned(key)):
-            self.core.note_stored(key, WARM, len(data), self.clock())
+            self.note_stored(key, WARM, len(data))
             self.core.counters.promotions += 1
             metrics.TIER_PROMOTIONS.inc()
 
@@ -225,7 +242,7 @@ class TierIO:
             if tier is None:
                 continue
             if await tier.put(action.key, action.data, pinned=self.core.is_pinned(action.key)):
-                self.core.note_stored(action.key, bit, len(action.data), now)
+                self.note_stored(action.key, bit, len(action.data), now)
                 self.core.counters.demotions += 1
                 metrics.TIER_DEMOTIONS.inc()
                 return
@@ -269,7 +286,7 @@ class TierIO:
                 return 1
             if not self.warm.up:
                 return 1
-            self.core.note_missing(key, WARM)
+            self.note_missing(key, WARM)
             tiers = self.core.tiers_of(key)
         data = self.core.hot.peek(key)
         if data is None and tiers & COLD:
@@ -278,15 +295,35 @@ class TierIO:
                 data = found[1]
                 self.put_hot(key, data)
         if data is not None and await self.warm.put(key, data, pinned=True):
-            self.core.note_stored(key, WARM, len(data), self.clock())
+            self.note_stored(key, WARM, len(data))
         return 1 if self.core.tiers_of(key) else 0
 
     async def unpin_storage(self, key: BlockKey) -> int:
         """Give an unpinned block its warm TTL back; 1 when the pool holds the block, else 0."""
         if self.warm is not None and self.core.tiers_of(key) & WARM:
             if await self.warm.set_pinned(key, False):
-                self.core.note_renewed(key, self.clock())
+                self.note_renewed(key)
         return int(bool(self.core.tiers_of(key)))
+
+    # --- the index, as every replica's is kept ---------------------------------------------------------
+    def note_stored(self, key: BlockKey, tier: int, size: int, now: float | None = None,
+                    last_hit: float | None = None, depth: int | None = None) -> None:
+        """A shared tier (WARM or COLD) now holds the block: in this index, and for the other replicas."""
+        now = self.clock() if now is None else now
+        self.core.note_stored(key, tier, size, now, last_hit=last_hit, depth=depth)
+        e = self.core.entry(key)
+        if e is not None:
+            self.changes.stored(key, tier, size, e.last_hit, e.depth if depth is None else depth)
+
+    def note_missing(self, key: BlockKey, tier: int) -> None:
+        """A shared tier (WARM or COLD) turned out not to hold the block."""
+        self.core.note_missing(key, tier)
+        self.changes.missing(key, tier)
+
+    def note_renewed(self, key: BlockKey) -> None:
+        now = self.clock()
+        self.core.note_renewed(key, now)
+        self.changes.renewed(key, now)
 
     # --- verification ---------------------------------------------------------------------------------
     def intact(self, key: BlockKey, data: bytes, tier: str) -> bool:

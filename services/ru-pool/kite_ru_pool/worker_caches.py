@@ -9,12 +9,17 @@ The events come over core NATS, at most once: a lost event makes a worker's pref
 events. Each worker numbers its events (`seq`); a gap is reported to the caller (and counted), a worker
 silent for a while (no event, no heartbeat) is found by `stale` and forgotten, and a worker that drains
 or restarts says so (BlockRemoved(all_blocks) or a draining heartbeat). Everything here is rebuilt from
-the events alone.
+the events alone, or taken from another pool replica's snapshot (`export` / `restore`, whole workers with
+their last event number, so the asker replays only the events the snapshot does not hold).
 """
 
 from __future__ import annotations
 
 from typing import Iterable, Sequence
+
+
+HASH_WIRE_BYTES = 34  # one 32-byte block hash in msgpack (2 bytes of header)
+WORKER_WIRE_BYTES = 96  # a worker's id, seq, time and one model tag around its hashes, generously
 
 
 class WorkerCaches:
@@ -78,6 +83,44 @@ class WorkerCaches:
                     count += 1
             workers[worker_id] = count
         return workers
+
+    # --- the snapshot a joining replica asks a live one for ---------------------------------------------
+    def export(self, after: str = "", max_bytes: int = 1 << 20
+               ) -> tuple[list[tuple[str, int, float, dict[str, list[bytes]], bool]], bool]:
+        """Whole workers in id order after `after`, as (worker id, last seq, last seen, model tag ->
+        hashes, truncated), as many as `max_bytes` of hashes (HASH_WIRE_BYTES each) hold, and whether
+        more workers follow. The first worker of a page always comes, cut to `max_bytes` (truncated) when
+        its blocks alone are more."""
+        ids = sorted(w for w in self._seen.keys() | self.held.keys() if w > after)
+        page: list[tuple[str, int, float, dict[str, list[bytes]], bool]] = []
+        used = 0
+        for n, worker_id in enumerate(ids):
+            by_tag = self.held.get(worker_id, {})
+            size = sum(WORKER_WIRE_BYTES + HASH_WIRE_BYTES * len(hs) for hs in by_tag.values())
+            truncated = False
+            if page and used + size > max_bytes:
+                return page, True
+            models = {tag: list(hs) for tag, hs in by_tag.items()}
+            if size > max_bytes:  # alone over a page: keep what fits
+                left, truncated = max(0, max_bytes - used) // HASH_WIRE_BYTES, True
+                for tag in list(models):
+                    models[tag] = models[tag][:left]
+                    left -= len(models[tag])
+            page.append((worker_id, self._seq.get(worker_id, 0), self._seen.get(worker_id, 0.0), models,
+                         truncated))
+            used += size
+        return page, False
+
+    def restore(self, worker_id: str, by_tag: dict[str, Iterable[bytes]], seq: int, seen: float) -> None:
+        """Take one worker's cache from a snapshot, replacing what this index had of it."""
+        held = {tag: set(hashes) for tag, hashes in by_tag.items() if hashes}
+        if held:
+            self.held[worker_id] = held
+        else:
+            self.held.pop(worker_id, None)
+        if seq > 0:
+            self._seq[worker_id] = seq
+        self._seen[worker_id] = max(seen, self._seen.get(worker_id, 0.0))
 
     def num_blocks(self) -> dict[str, int]:
         """Blocks attributed to each worker's local cache (every model)."""

@@ -1,4 +1,5 @@
-"""The ru-pool's messages: its index (block events from workers), lookups, gets, lifecycle and admin.
+"""The ru-pool's messages: its index (block events from workers), lookups, gets, lifecycle and admin, and
+what its replicas tell each other (index changes, the worker-cache snapshot).
 
 Blocks themselves travel in the recyclable_unit binary format (subjects.POOL_PUT, and inside
 PoolGetReply.units); these messages are the pool's index, lookup, lifecycle and admin traffic.
@@ -124,6 +125,82 @@ class PoolAdminRequest(Message):
     model_fingerprint: str = ""
     block_hashes: list[bytes] = Field(default_factory=list)
     tenant: str = ""  # tenant name; "" = every tenant (stats, clear) or anonymous (pin, unpin, evict)
+
+
+class IndexChange(BaseModel):
+    """One operation on the pool's index, as one ru-pool replica tells the others (PoolIndexChanges): the
+    blocks of one model tag and one tenant, in order.
+
+    ops and what a receiver does with them:
+      stored       `tier` now holds these blocks (written, promoted, demoted, archived, found by a resync);
+                   `sizes`, `depths` (-1: unknown) and `last_hits` per block
+      missing      `tier` does not hold them any more (expired, archived away, deleted, failed verification)
+      renewed      their warm expiry was renewed at `at`
+      hit          they were read at `at` (a get), which keeps them from archival
+      dropped      forget them everywhere, pins included (an admin evict, a quota eviction)
+      pinned / unpinned
+      cleared      forget every block of `model_tag` ("*": every model), of `tenant_tag` only when set
+                   (an admin clear); the storage purge it queues is the leader's to finish
+      invalidated  never serve `model_tag` again (an admin purge)
+      purged       the storage purge of `model_tag` ("*": all) [of `tenant_tag`] finished
+    """
+
+    model_config = ConfigDict(frozen=True)
+    op: Literal["stored", "missing", "renewed", "hit", "dropped", "pinned", "unpinned", "cleared",
+                "invalidated", "purged"]
+    tier: Literal["", "warm", "cold"] = ""  # stored, missing
+    model_tag: str = ""  # kite_shared.tiers.keys.model_tag of the fingerprint; "*" = every model
+    tenant_tag: str = ""  # the blocks' owner (kite_shared.security.tenant_tag); "" = every tenant
+    block_hashes: list[bytes] = Field(default_factory=list)
+    sizes: list[int] = Field(default_factory=list)  # stored: encoded bytes of each block
+    depths: list[int] = Field(default_factory=list)  # stored: block index in its chain, -1 unknown
+    last_hits: list[float] = Field(default_factory=list)  # stored: unix seconds of each block's last hit
+    at: float = 0.0  # renewed, hit: unix seconds
+
+
+class PoolIndexChanges(Message):
+    """ru-pool replica -> every other replica (subjects.POOL_INDEX_CHANGES, no queue group): what it
+    changed in the shared tiers (warm, cold), pins, clears and invalidations, batched (one message per
+    operation or per few milliseconds of background writes or sweep actions). Receivers apply them to
+    their own index and ignore their own messages (`instance_id` + `nonce`)."""
+
+    KIND: ClassVar[str] = "pool_index_changes"
+    instance_id: str  # the sending replica
+    nonce: str = ""  # per process: two replicas misconfigured with one instance id still hear each other
+    seq: int = 0  # per sender, +1 per message; a gap means changes were lost (counted, warm re-listed)
+    changes: list[IndexChange] = Field(default_factory=list)
+
+
+class WorkerCachesRequest(Message):
+    """joining ru-pool replica -> one live replica (subjects.POOL_WORKER_CACHES): the worker-cache index,
+    one page of whole workers at a time, in worker id order."""
+
+    KIND: ClassVar[str] = "pool_worker_caches_request"
+    instance_id: str  # the asking replica
+    after_worker_id: str = ""  # the page starts after this worker id ("" = from the first)
+
+
+class WorkerCache(BaseModel):
+    """One worker's local cache as a replica knows it from the worker's block events."""
+
+    model_config = ConfigDict(frozen=True)
+    worker_id: str
+    seq: int = 0  # the last event number applied (events after it are replayed by the asker)
+    seen: float = 0.0  # unix seconds of its last event or heartbeat
+    models: dict[str, list[bytes]] = Field(default_factory=dict)  # model tag -> block hashes
+    truncated: bool = False  # the blocks did not fit one reply: only part of them is here
+
+
+class WorkerCachesReply(Message):
+    KIND: ClassVar[str] = "pool_worker_caches_reply"
+    instance_id: str = ""  # the answering replica
+    workers: list[WorkerCache] = Field(default_factory=list)
+    more: bool = False  # ask again after the last worker id for the rest
+    # First page only: what the replica learned from ModelFingerprintChanged and purges, which no tier
+    # listing tells a joining replica: the current fingerprint of each model name, the invalidated tags.
+    current_fingerprints: dict[str, str] = Field(default_factory=dict)
+    invalidated_tags: list[str] = Field(default_factory=list)
+    error: ErrorInfo | None = None
 
 
 class TierStats(BaseModel):
