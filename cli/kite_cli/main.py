@@ -65,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         from kite_cli import bench
 
         return bench.main(argv[1:])
+    if argv[:1] == ["simulate"]:
+        from kite_cli import simulate
+
+        return simulate.main(argv[1:])
     parser = argparse.ArgumentParser(prog="kite", description="KITE command line")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="start nats-server and all five services locally")
@@ -78,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False)
     sub.add_parser("keys", help="API keys: `kite keys new TENANT`, `kite keys hash [KEY]`", add_help=False)
     sub.add_parser("bench", help="benchmark KITE against peers (see docs/benchmarks.md)", add_help=False)
+    sub.add_parser("simulate", help="fleet simulation: real routing, pool index and admission code at 1,000 "
+                   "workers and 10^7 blocks (see docs/architecture.md)", add_help=False)
     args = parser.parse_args(argv)
     return args.func(args)
 
