@@ -55,7 +55,7 @@ from kite_arbitrator.rules import DEFAULT_RULES_PATH, Rule, RuleSet, load_rules
 from kite_cli.bench.stats import percentile
 from kite_cli.stack import LocalStack, StackOptions
 from kite_shared import subjects
-from kite_shared.config import CommonConfig, load
+from kite_shared.config import ArbitratorConfig, CommonConfig, load
 from kite_shared.messages import (TELEMETRY, Admission, Decision, FingerprinterTelemetry, GatewayTelemetry,
                                   MessageError, PoolTelemetry, WorkerTelemetry)
 from kite_shared.service import connect_nats
@@ -405,8 +405,7 @@ def main() -> None:
     rules_path.write_text(bench_rules(args.scale_in_after_s))
     rules, _ = load_rules(rules_path)
     slo_s = 10.0  # KITE_ARBITRATOR_TTFT_SLO_S's default, set explicitly: the observer needs the same value
-    core = ArbitratorCore(rules=rules, ttft_slo_s=slo_s,
-                          stale_s=float(os.environ.get("KITE_ARBITRATOR_STALE_S", "3.0")))
+    core = ArbitratorCore(rules=rules, ttft_slo_s=slo_s, stale_s=load(ArbitratorConfig).stale_s)
     env = {"KITE_ENGINE": args.engine, "KITE_ARBITRATOR_RULES_FILE": str(rules_path),
            "KITE_ARBITRATOR_TTFT_SLO_S": str(slo_s),
            # random prompts would otherwise leave their blocks in ~/.cache/kite/cold

@@ -9,7 +9,7 @@ import pytest
 from kite_arbitrator.core import ArbitratorCore
 from kite_arbitrator.rules import DEFAULT_RULES_PATH, RulesError, load_rules, parse_rules
 from kite_shared.messages import (TELEMETRY, ArbitratorTelemetry, Decision, FingerprinterTelemetry,
-                                  GatewayTelemetry, PoolTelemetry, WorkerTelemetry)
+                                  GatewayTelemetry, PoolTelemetry, TierStats, WorkerTelemetry)
 
 RULES = """
 version: 1
@@ -266,3 +266,14 @@ def test_every_activation_of_a_worker_is_measured_once():
     assert c.activation_latencies == {"w2": 0.05}
     measured = [e for e in c.take_log() if e.get("event") == "activation_measured"]
     assert [(e["decision_id"], e["latency_s"]) for e in measured] == [("d-1", 0.12), ("d-7", 0.05)]
+
+
+def test_pool_signals_cover_every_replica():
+    c = core()
+    c.observe(wt("w1"), 0.0)
+    c.observe(PoolTelemetry(instance_id="p1", hot_fill=0.2, hit_rate=0.6), 0.0)
+    c.observe(PoolTelemetry(instance_id="p2", hot_fill=0.9, hit_rate=0.4,
+                            tiers={"warm": TierStats(up=False), "hot": TierStats()}), 0.0)
+    signals = c.fleet_signals(c._fresh(c.workers, 0.0), {}, c._fresh(c.pools, 0.0))
+    assert (signals["pool_replicas"], signals["pool_hot_fill"], signals["pool_tiers_down"]) == (2, 0.9, 1)
+    assert signals["pool_hit_rate"] == 0.5

@@ -67,7 +67,6 @@ EXTRA_TARGETS = ("worker-gpu", "fingerprinter-gpu")
 TARGET_SERVICE = {**{s: s for s in SERVICES}, "worker-gpu": "worker", "fingerprinter-gpu": "fingerprinter"}
 # Services that must never run two pods at once, and why (none since the ru-pool runs replicas: issue 14;
 # a test below holds the ru-pool's manifests and docs to its module docstring).
-SINGLE_REPLICA: dict[str, str] = {}
 RU_POOL_SERVICE = SERVICE_PACKAGES["ru-pool"] / "service.py"
 GPU_CHECK = ROOT / "deploy" / "gpu" / "check.sh"
 
@@ -613,12 +612,6 @@ def test_compose_vllm_worker_has_room_in_shared_memory():
     assert compose_effective("worker", "KITE_ENGINE") == "vllm"
     assert str(compose_effective("worker", "KITE_VLLM_STAGING_DIR")).startswith("/dev/shm")
     assert compose_size(worker.get("shm_size", "64m")) > 64 * MIB, "the worker keeps Docker's 64 MB /dev/shm"
-
-
-def test_compose_does_not_scale_single_replica_services():
-    for service in SINGLE_REPLICA:
-        replicas = (compose()["services"][service].get("deploy") or {}).get("replicas", 1)
-        assert replicas == 1, f"{service}: {replicas} replicas, but {SINGLE_REPLICA[service]}"
 
 
 def test_compose_references_resolve():
@@ -1292,23 +1285,8 @@ def test_the_arbitrator_runs_a_standby_replica_as_the_docs_say(variant):
 
 
 @pytest.mark.parametrize("variant", ["base", *OVERLAYS])
-@pytest.mark.parametrize("service", sorted(SINGLE_REPLICA))
-def test_single_replica_services_never_run_two_pods(variant, service):
-    docs = rendered(variant)
-    deployment = objects(docs, "Deployment")[service]
-    why = SINGLE_REPLICA[service]
-    assert deployment["spec"].get("replicas", 1) == 1, f"{variant}: {service} has replicas > 1, but {why}"
-    assert most_pods_during_rollout(deployment) == 1, \
-        f"{variant}: a rollout of {service} can run two pods at once (use strategy Recreate), but {why}"
-    scalers = [o["spec"]["scaleTargetRef"]["name"] for kind in ("HorizontalPodAutoscaler", "ScaledObject")
-               for o in objects(docs, kind).values()]
-    assert service not in scalers, f"{variant}: {service} is autoscaled, but {why}"
-
-
-@pytest.mark.parametrize("variant", ["base", *OVERLAYS])
 def test_the_ru_pool_runs_replicas_as_its_code_and_the_docs_say(variant):
-    # The ru-pool's module docstring says it runs replicas (issue 14); were it to go back to one, the entry
-    # in SINGLE_REPLICA comes back with it.
+    # The ru-pool's module docstring says it runs replicas (issue 14).
     docstring = ast.get_docstring(ast.parse(RU_POOL_SERVICE.read_text())) or ""
     assert "Any number of replicas" in docstring and "One replica per deployment" not in docstring
     deployment = objects(rendered(variant), "Deployment")["ru-pool"]
@@ -1316,20 +1294,19 @@ def test_the_ru_pool_runs_replicas_as_its_code_and_the_docs_say(variant):
     assert "**ru-pool**: 2 replicas" in DEPLOY_DOC.read_text()
 
 
-REPLICA_CLAIM = re.compile(r"\b(\d+)\s*(\+|or more)?\s+replicas?\b", re.IGNORECASE)
-
-
-def test_docs_claim_no_more_replicas_than_single_replica_services_run():
-    problems = []
-    for doc in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
-        # list items and sentences: a count belongs to the service named next to it
-        for item in re.split(r"\n\s*\n|\n(?=\s*[-*|] )", doc.read_text()):
-            for sentence in re.split(r"(?<=[.;])\s", item):
-                names = [s for s in SINGLE_REPLICA if s in sentence.lower()]
-                for claim in REPLICA_CLAIM.finditer(sentence):
-                    if names and (int(claim.group(1)) > 1 or claim.group(2)):
-                        problems.append(f"{doc.relative_to(ROOT)}: {names}: {sentence.strip()[:160]}")
-    assert not problems, "\n".join(problems)
+def test_no_service_is_a_single_point_in_production():
+    """Every Deployment of the prod overlay runs two or more pods, and a node drain takes one at a time."""
+    docs = rendered("prod")
+    budgets = {o["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"]: o["spec"]
+               for o in objects(docs, "PodDisruptionBudget").values()}
+    for name, deployment in objects(docs, "Deployment").items():
+        assert budgets.get(name) == {"maxUnavailable": 1, "selector": {
+            "matchLabels": {"app.kubernetes.io/name": name}}}, f"{name}: no disruption budget of one pod"
+        scaled = {o["spec"]["scaleTargetRef"]["name"]: o["spec"] for kind in ("HorizontalPodAutoscaler",
+                  "ScaledObject") for o in objects(docs, kind).values()}
+        least = scaled[name].get("minReplicas", scaled[name].get("minReplicaCount", 1)) if name in scaled \
+            else deployment["spec"].get("replicas", 1)
+        assert least >= 2, f"{name}: as few as {least} pod(s)"
 
 
 @pytest.mark.parametrize("variant", ["base", *OVERLAYS])

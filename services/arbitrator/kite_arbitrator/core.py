@@ -126,7 +126,7 @@ class ArbitratorCore:
         predicted = min((s["predicted_ttft_s"] for s in per.values()), default=0.0)
         queue = sum(w.queue_depth for w in active)
         slots = sum(max(1, w.max_running) for w in active)
-        pool = next(iter(pools.values()), None)
+        replicas = list(pools.values())  # ru-pool replicas share warm and cold; each has its own hot tier
         routers = list((fingerprinters or {}).values())
         routed_rate = sum(f.request_rate for f in routers)
         return {
@@ -141,9 +141,10 @@ class ArbitratorCore:
             "mean_local_hit_rate": statistics.fmean([w.local_hit_rate for w in active]) if active else 0.0,
             "request_rate": sum(g.request_rate for g in gateways.values()),
             "error_rate": max((g.error_rate for g in gateways.values()), default=0.0),
-            "pool_hot_fill": pool.hot_fill if pool else 0.0,
-            "pool_hit_rate": pool.hit_rate if pool else 0.0,
-            "pool_tiers_down": sum(1 for t in pool.tiers.values() if not t.up) if pool else 0,
+            "pool_replicas": len(replicas),
+            "pool_hot_fill": max((p.hot_fill for p in replicas), default=0.0),
+            "pool_hit_rate": statistics.fmean([p.hit_rate for p in replicas]) if replicas else 0.0,
+            "pool_tiers_down": max((sum(1 for t in p.tiers.values() if not t.up) for p in replicas), default=0),
             "routed_hit_rate": (sum(f.routed_hit_rate * f.request_rate for f in routers) / routed_rate
                                 if routed_rate else 0.0),
             "fingerprinter_refused_rate": max((f.refused_rate for f in routers), default=0.0),

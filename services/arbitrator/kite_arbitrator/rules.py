@@ -61,9 +61,10 @@ FLEET_SIGNALS = {
     "mean_local_hit_rate": "mean local hit rate over active workers",
     "request_rate": "API requests per second, summed over gateways",
     "error_rate": "highest fraction of 5xx answers over gateways",
-    "pool_hot_fill": "ru-pool hot tier bytes / capacity",
-    "pool_hit_rate": "ru-pool hit rate over every tier",
-    "pool_tiers_down": "ru-pool tiers that are down",
+    "pool_replicas": "ru-pool replicas with fresh telemetry",
+    "pool_hot_fill": "highest hot tier bytes / capacity over ru-pool replicas",
+    "pool_hit_rate": "ru-pool hit rate over every tier, mean over replicas",
+    "pool_tiers_down": "most tiers down as seen by one ru-pool replica",
     "routed_hit_rate": "prompt blocks the chosen worker held or could load / prompt blocks, over "
                        "cache-aware routing decisions (fingerprinters, weighted by request rate)",
     "fingerprinter_refused_rate": "highest fraction of requests a fingerprinter refused (bad request, no "

@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 log = logging.getLogger(__name__)
 
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
@@ -89,19 +91,9 @@ class HandoffFolder:
 def _remove_dead_owners(root: Path) -> None:
     for entry in os.scandir(root):
         pid = entry.name.split("-", 1)[0]
-        if entry.is_dir() and pid.isdigit() and not _alive(int(pid)):
+        if entry.is_dir() and pid.isdigit() and not psutil.pid_exists(int(pid)):
             log.info("removing hand-off folder %s of a pool that is gone", entry.path)
             shutil.rmtree(entry.path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def open_folder(root: str) -> HandoffFolder | None:
