@@ -126,3 +126,43 @@ def test_one_leads_a_killed_leader_is_replaced_and_a_draining_one_hands_over(tmp
                 process.kill()
                 process.wait()
         server.stop()
+
+
+def test_a_burst_of_telemetry_joins_few_evaluations_and_decisions_still_follow(nats_server):
+    """1,000 workers send 1,000 messages a second: evaluating on each would keep the arbitrator busy. A
+    burst joins the evaluation already scheduled; the decisions still come."""
+    from kite_arbitrator.service import ArbitratorService
+    from kite_shared.config import ArbitratorConfig, CommonConfig, load
+    from kite_shared.service import ServiceRuntime
+
+    async def scenario() -> None:
+        rt = ServiceRuntime("arbitrator", load(CommonConfig, nats_url=nats_server.url, instance_id="arb-burst"))
+        await rt.start()
+        service = ArbitratorService(rt, load(ArbitratorConfig, lease_s=1.5))
+        evaluations = []
+        evaluate = service.core.evaluate
+        service.core.evaluate = lambda now, *a, **k: evaluations.append(now) or evaluate(now, *a, **k)
+        await service.start()
+        assert service.leader
+        nc = await nats.connect(nats_server.url)
+        decisions = []
+
+        async def on_decision(msg) -> None:
+            decisions.append(Decision.decode(msg.data))
+
+        await nc.subscribe(subjects.DECISIONS, cb=on_decision)
+        await asyncio.sleep(0.2)
+        evaluations.clear()
+        for i in range(500):
+            await nc.publish(subjects.telemetry("worker"),
+                             WorkerTelemetry(instance_id=f"w{i % 250}", max_running=4).encode())
+        await nc.flush()
+        await asyncio.sleep(1.0)
+        print(f"500 telemetry messages: {len(evaluations)} evaluations, {len(decisions)} decisions")
+        assert 1 <= len(evaluations) < 100
+        # every worker that appeared got its write policy, however few evaluations it took
+        assert {d.target for d in decisions if d.action == "write_policy"} == {f"w{i}" for i in range(250)}
+        await nc.close()
+        await rt.shutdown()
+
+    asyncio.run(scenario())
