@@ -25,13 +25,13 @@ from schemathesis import checks
 from kite_cli.stack import StackOptions
 from kite_shared.grpc_gen import kite_pb2, kite_pb2_grpc
 from kite_shared.security import hash_api_key
+from tests.fuzz_bounds import clamp_generation_length
 from tests.integration.conftest import MODEL, _start
 
 KEY = "kite-fuzz-" + secrets.token_hex(12)
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_BODY = 65536
 EXAMPLES = 50
-CLAMP_BELOW = 100_000  # max_tokens values below this are clamped to 4 (beyond the context they are a 400)
 # The published schema must describe what the stack really answers.
 CONFORMANCE = [checks.status_code_conformance, checks.content_type_conformance,
                checks.response_headers_conformance, checks.response_schema_conformance]
@@ -62,13 +62,7 @@ def _clamp(case, mode) -> None:
     body = case.body
     if isinstance(body, dict) and mode == schemathesis.GenerationMode.POSITIVE and isinstance(body.get("model"), str):
         body["model"] = MODEL  # a random model name would stop every request at model_not_found
-    if isinstance(body, dict):
-        for field in ("max_tokens", "max_completion_tokens"):
-            value = body.get(field)
-            # JSON integers may come as 5000.0 (the API accepts them): clamp those too, or one example
-            # asks for thousands of tokens per choice and outlives the client's timeout.
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and 4 < value < CLAMP_BELOW:
-                body[field] = 4
+    clamp_generation_length(body)
 
 
 def _fuzz(operation, mode, base_url: str) -> list[int]:

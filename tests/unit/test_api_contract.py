@@ -165,3 +165,45 @@ def test_answers_conform_to_the_published_schema(mode):
         one()
     if mode == schemathesis.GenerationMode.POSITIVE:
         assert {200, 429} <= seen  # the rate limit's answers were checked too
+
+
+@pytest.mark.parametrize("path, fields", [
+    ("/v1/completions", {"prompt": [[False]]}),  # a JSON boolean is not a token id
+    ("/v1/completions", {"prompt": "x", "n": True}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "4"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 0}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "false"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": True}),
+])
+def test_values_of_another_json_type_than_the_schema_says_are_400(path, fields):
+    r = TestClient(app()).post(path, headers=AUTH, json={"model": "m", **fields})
+    assert r.status_code == 400, r.text
+
+
+def test_integers_written_with_a_fraction_of_zero_are_integers_as_json_schema_says():
+    r = TestClient(app()).post("/v1/completions", headers=AUTH, json={"model": "m", "prompt": [[1.0, 2]], "n": 2.0})
+    assert r.status_code == 200, r.text
+
+
+def test_the_schema_bounds_prompts_times_n_so_no_schema_valid_batch_is_refused():
+    schema = TestClient(app()).get("/openapi.json").json()
+    body = schema["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    by_n = {b["properties"]["n"].get("const", 1): b for b in body["anyOf"]}
+    assert sorted(by_n) == list(range(1, 9))
+    for n, branch in by_n.items():
+        if n == 1:
+            continue
+        batches = [v for v in branch["properties"]["prompt"]["anyOf"] if "maxItems" in v]
+        assert len(batches) == 2 and {v["maxItems"] for v in batches} == {8 // n}
+        prompts = [["a"] * (8 // n), [[1]] * (8 // n)]
+        for prompt in prompts:  # the largest batch the schema allows for this n is accepted
+            r = TestClient(app()).post("/v1/completions", headers=AUTH, json={"model": "m", "prompt": prompt, "n": n})
+            assert r.status_code == 200, (n, r.text)
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_count_too_large_for_any_wire_format_is_400_not_a_crash(field):
+    # msgpack (the services' wire format) holds at most 64-bit integers; the bound is 2**53 - 1.
+    r = TestClient(app()).post("/v1/chat/completions", headers=AUTH, json={
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], field: 10**30})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

@@ -52,16 +52,22 @@ LATENCY = Histogram("kite_request_duration_seconds", "End-to-end request time",
 CACHED_TOKENS = Counter("kite_gateway_prompt_tokens_total", "Prompt tokens served, by KV source", ["source"])
 
 
-def _json_body(model: type, max_n: int) -> dict:
+def _json_body(model: type, max_n: int, model_name: str) -> dict:
     """openapi_extra declaring the JSON body a handler parses itself (so /openapi.json documents it)."""
     schema = model.model_json_schema()
     defs = schema.pop("$defs", {})
-    # KITE_GATEWAY_MAX_N, a setting, bounds n and a batch of prompts (their product too, which JSON Schema
-    # cannot say: that stays a 400).
+    # The served model as the example: schema-driven tools (schemathesis' examples phase, API explorers)
+    # then send requests that reach generation instead of a 404.
+    schema["properties"]["model"]["examples"] = [model_name]
+    # KITE_GATEWAY_MAX_N, a setting, bounds n, a batch of prompts, and their product (completions).
     schema["properties"]["n"]["maximum"] = max_n
-    for variant in schema["properties"].get("prompt", {}).get("anyOf", ()):
-        if variant.get("items", {}).get("type") in ("string", "array"):
-            variant["maxItems"] = max_n
+    prompt = schema["properties"].get("prompt")
+    if prompt is not None:
+        schema["properties"]["prompt"] = _batches_at_most(prompt, max_n)
+        # prompts x n <= max_n: one branch per value of n above 1
+        schema["anyOf"] = [{"properties": {"n": {"maximum": 1}}}] + [
+            {"required": ["n"], "properties": {"n": {"const": n}, "prompt": _batches_at_most(prompt, max_n // n)}}
+            for n in range(2, max_n + 1)]
 
     def inline(node):
         if isinstance(node, dict):
@@ -74,6 +80,13 @@ def _json_body(model: type, max_n: int) -> dict:
         return node
 
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+
+
+def _batches_at_most(prompt: dict, num_prompts: int) -> dict:
+    """The prompt schema with a batch of prompts (list of strings, list of token lists; not one token
+    list) bounded to `num_prompts`."""
+    return {**prompt, "anyOf": [{**v, "maxItems": num_prompts} if v.get("items", {}).get("type") in ("string", "array")
+                                else v for v in prompt["anyOf"]]}
 
 
 def _header(description: str, required: bool = False, kind: str = "integer") -> dict:
@@ -243,7 +256,7 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
             permit.refund()  # refused before any token was computed
             raise
 
-    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest, max_n),
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest, max_n, model_name),
               responses=generation_responses)
     async def chat_completions(request: Request) -> Response:
         tenant = tenant_of(request)
@@ -271,7 +284,7 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
             "usage": usage,
         }, headers=headers)
 
-    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest, max_n),
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest, max_n, model_name),
               responses=generation_responses)
     async def completions(request: Request) -> Response:
         tenant = tenant_of(request)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from kite_shared.messages import ChatMessage, SamplingParams, StreamEnd
 
@@ -26,14 +26,35 @@ MAX_STOP_STRINGS = 4
 # stays in `unsupported`, whose messages say why.
 _ONLY_ZERO = {"const": 0}
 _ONLY_FALSE = {"const": False}
+
+
+def _json_integer(value: object) -> object:
+    """JSON's idea of an integer: 3 and 3.0 are (JSON Schema says so), true and "3" are not."""
+    if isinstance(value, bool):
+        raise ValueError("Input should be a valid integer, not a boolean")
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# Bodies validate strictly (a JSON boolean is not a number, "3" is not 3: what /openapi.json says is what is
+# accepted); an integer field takes JSON's integers, 3.0 included. (The bounds come before the validator:
+# after it, pydantic would publish them as `ge` instead of `minimum`.)
+JsonInt = Annotated[int, BeforeValidator(_json_integer)]
 # A prompt token id: the services carry them as uint32 (the gRPC API's type); the vocabulary is checked later.
-TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=2**32 - 1), BeforeValidator(_json_integer)]
+# Counts (n, max_tokens): a context window is far below 2**53 - 1, the largest integer JSON holds exactly.
+AtLeastOne = Annotated[int, Field(ge=1, le=2**53 - 1), BeforeValidator(_json_integer)]
+# The integers every JSON parser holds exactly (IEEE doubles): /openapi.json writes bounds as floats,
+# which cannot say 2**63 - 1, so wider bounds would publish a range the API does not accept.
+Seed = Annotated[int, Field(ge=-(2**53 - 1), le=2**53 - 1), BeforeValidator(_json_integer)]
+PromptText = Annotated[str, Field(min_length=1)]
 # Prompt arrays are never empty (nothing to complete): declared, so /openapi.json says so too.
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -64,13 +85,11 @@ class ChatMessageIn(_Body):
 
 class _SamplingBody(_Body):
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: AtLeastOne | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
-    # The integers every JSON parser holds exactly (IEEE doubles): /openapi.json writes bounds as floats,
-    # which cannot say 2**63 - 1, so wider bounds would publish a range the API does not accept.
-    seed: int | None = Field(default=None, ge=-(2**53 - 1), le=2**53 - 1)
+    n: AtLeastOne = 1
+    seed: Seed | None = None
     stop: str | list[str] | None = Field(default=None, json_schema_extra={"maxItems": MAX_STOP_STRINGS})
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -107,7 +126,7 @@ class _SamplingBody(_Body):
 
 class ChatCompletionRequest(_SamplingBody):
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: AtLeastOne | None = None
     logprobs: bool = Field(default=False, json_schema_extra=_ONLY_FALSE)
     tools: list[dict] | None = Field(default=None, json_schema_extra={"maxItems": 0})
 
@@ -124,19 +143,20 @@ class ChatCompletionRequest(_SamplingBody):
 
 
 class CompletionRequest(_SamplingBody):
-    prompt: (str | TokenIds | Annotated[list[str], Field(min_length=1)]
+    # An empty text is no prompt (the model would complete nothing): refused here, as vLLM does.
+    prompt: (PromptText | TokenIds | Annotated[list[PromptText], Field(min_length=1)]
              | Annotated[list[TokenIds], Field(min_length=1)])
     echo: bool = Field(default=False, json_schema_extra=_ONLY_FALSE)
-    logprobs: int | None = Field(default=None, json_schema_extra={"type": "null"})
+    logprobs: JsonInt | None = Field(default=None, json_schema_extra={"type": "null"})
     suffix: str | None = Field(default=None, json_schema_extra={"maxLength": 0})
-    best_of: int | None = Field(default=None, json_schema_extra={"enum": [None, 1]})
+    best_of: JsonInt | None = Field(default=None, json_schema_extra={"enum": [None, 1]})
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _not_empty(cls, v: object) -> object:
         # Before the union is tried: otherwise the error would be that [] is not a string.
-        if v == [] or (isinstance(v, list) and [] in v):
-            raise ValueError("a prompt (and every prompt of a batch) needs at least one token or string")
+        if v in ("", []) or (isinstance(v, list) and ([] in v or "" in v)):
+            raise ValueError("a prompt (and every prompt of a batch) needs at least one token or character")
         return v
 
     def unsupported(self) -> tuple[str, str] | None:
