@@ -42,6 +42,9 @@ class StackOptions:
     # ru-pool replicas (docs/ru-pool.md, "Replicas"): with more than one, each is named ru-pool-<n> and has
     # its own KITE_METRICS_PORT (a free one), whatever `metrics` says.
     pool_replicas: int = 1
+    # arbitrator replicas (docs/arbitrator.md, "Replicas": one leads through a JetStream lease): likewise,
+    # with more than one each is arbitrator-<n> with its own free KITE_METRICS_PORT.
+    arbitrators: int = 1
     host: str | None = "127.0.0.1"
     with_redis: bool = True  # start a redis-server for the warm tier when one is installed
     services: tuple[str, ...] = ("fingerprinter", "ru-pool", "arbitrator", "gateway")  # besides workers
@@ -58,6 +61,12 @@ class ServiceProcess:
     process: subprocess.Popen
     log_path: Path
     metrics_port: int = 0  # its Prometheus endpoint on 127.0.0.1, when StackOptions.metrics is on
+
+    @property
+    def instance_id(self) -> str:
+        """Its KITE_INSTANCE_ID (worker-1, ru-pool-2, arbitrator-1, ...), or the service name for a
+        single unnamed one (which then names itself <host>-<pid> on the bus)."""
+        return self.log_path.stem
 
 
 def _gateway_setting(name: str) -> int | str:
@@ -86,6 +95,7 @@ class LocalStack:
         self.processes: list[ServiceProcess] = []
         self._worker_count = 0
         self._pool_count = 0
+        self._arbitrator_count = 0
 
     @property
     def http_url(self) -> str:
@@ -119,17 +129,20 @@ class LocalStack:
                 and find_binary("redis-server"):
             self.redis = start_redis(log_file=self.log_dir / "redis-server.log",
                                      data_dir=self.options.redis_data_dir)
-        self._start_services(self.options.pool_replicas, self.options.num_workers)
+        self._start_services(self.options.pool_replicas, self.options.num_workers, self.options.arbitrators)
         if "gateway" in self.options.services:
             self.wait_healthy(timeout_s)
         else:  # nothing answers /health: only check that every process started
             self.wait_started()
 
-    def _start_services(self, pool_replicas: int, num_workers: int) -> None:
+    def _start_services(self, pool_replicas: int, num_workers: int, arbitrators: int) -> None:
         for name in self.options.services:
             if name == "ru-pool":
                 for _ in range(pool_replicas):
                     self.start_pool_replica()
+            elif name == "arbitrator":
+                for _ in range(arbitrators):
+                    self.start_arbitrator()
             else:
                 self.start_service(name)
         for _ in range(num_workers):
@@ -172,11 +185,40 @@ class LocalStack:
             return self.start_service("ru-pool", extra_env)
         return self.start_service("ru-pool", extra_env, instance_id=f"ru-pool-{self._pool_count}", metrics=True)
 
+    def start_arbitrator(self, extra_env: dict[str, str] | None = None) -> ServiceProcess:
+        """One more arbitrator replica, named as start_pool_replica names ru-pool replicas: alone it is
+        `arbitrator`; with several (StackOptions.arbitrators > 1, or one added later) arbitrator-<n> with
+        its own metrics port."""
+        self._arbitrator_count += 1
+        if self.options.arbitrators <= 1 and self._arbitrator_count == 1:
+            return self.start_service("arbitrator", extra_env)
+        return self.start_service("arbitrator", extra_env, instance_id=f"arbitrator-{self._arbitrator_count}",
+                                  metrics=True)
+
+    def process(self, instance_id: str) -> ServiceProcess:
+        """The stack's process named `instance_id` (ServiceProcess.instance_id: worker-2, ru-pool-1,
+        arbitrator-2, gateway, ...), running or not: the newest one of that name. KeyError if none."""
+        for proc in reversed(self.processes):
+            if proc.instance_id == instance_id:
+                return proc
+        raise KeyError(f"no process {instance_id!r} in this stack: "
+                       f"{sorted({p.instance_id for p in self.processes})}")
+
+    def kill(self, instance_id: str, sig: int = signal.SIGKILL) -> ServiceProcess:
+        """Send `sig` (default SIGKILL: no drain, no goodbye on the bus) to the named process and wait
+        until it is gone; returns it."""
+        proc = self.process(instance_id)
+        self.stop_process(proc, sig=sig)
+        return proc
+
     def workers(self) -> list[ServiceProcess]:
         return [p for p in self.processes if p.name == "worker" and p.process.poll() is None]
 
     def pool_replicas(self) -> list[ServiceProcess]:
         return [p for p in self.processes if p.name == "ru-pool" and p.process.poll() is None]
+
+    def arbitrators(self) -> list[ServiceProcess]:
+        return [p for p in self.processes if p.name == "arbitrator" and p.process.poll() is None]
 
     def health_status(self) -> int:
         try:
@@ -227,11 +269,13 @@ class LocalStack:
         """Stop every KITE process and start them again; nats-server and redis-server keep running."""
         num_workers = len(self.workers())
         pool_replicas = len(self.pool_replicas()) or self.options.pool_replicas
+        arbitrators = len(self.arbitrators()) or self.options.arbitrators
         for proc in list(self.processes):
             self.stop_process(proc)
         self.processes.clear()
         self._pool_count = 0
-        self._start_services(pool_replicas, num_workers)
+        self._arbitrator_count = 0
+        self._start_services(pool_replicas, num_workers, arbitrators)
         self.wait_healthy(timeout_s)
 
     def restart_nats(self, down_s: float = 1.0) -> None:
