@@ -60,7 +60,7 @@ class FleetConfig:
     pool_hot_bytes: int = 2 << 30  # KITE_POOL_HOT_BYTES
     pool_read: bool = True  # KITE_WORKER_POOL_READ
     session_ttl_s: float = 600.0  # KITE_ROUTER_SESSION_TTL_S
-    # The service: KITE_TELEMETRY_INTERVAL_S 1 s, evaluations on every message and every 0.25 s. Here 5 s
+    # The service: KITE_TELEMETRY_INTERVAL_S 1 s, evaluations on telemetry and every 0.25 s. Here 5 s
     # for both (kite_cli/simulate/__init__.py says why) and a staleness limit of three intervals.
     telemetry_interval_s: float = 5.0
     arbitrator_interval_s: float = 5.0

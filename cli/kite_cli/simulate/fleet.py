@@ -300,10 +300,12 @@ class FleetSim:
         if bound is not None and bound[1] > now and not self.workers[self.index_of[bound[0]]].standby:
             session_worker = bound[0]
         local_blocks, pool_blocks = None, -1
+        lookup = self.mode == "cache_aware" and not session_worker and len(candidates) > 1
+        if lookup:  # the request's block_hashes, a list the router already has
+            chain = self.trace.chains[r.session][:r.prompt_tokens // self.bs]
         cpu_started = time.thread_time()  # CPU time too: wall time on a shared machine includes waits
         started = time.perf_counter()
-        if self.mode == "cache_aware" and not session_worker and len(candidates) > 1:
-            chain = self.trace.chains[r.session][:r.prompt_tokens // self.bs]
+        if lookup:
             reply = self.core.lookup(self.fp, chain, include_workers=True)
             local_blocks, pool_blocks = dict(reply.workers), reply.pool
             looked = time.perf_counter()
