@@ -15,6 +15,7 @@ from kite_cli.stack import LocalStack, StackOptions, default_state_file
 def _run(args: argparse.Namespace) -> int:
     stack = LocalStack(StackOptions(http_port=args.http_port, grpc_port=args.grpc_port,
                                     num_workers=args.workers, host=args.host,
+                                    pool_replicas=args.pool_replicas, arbitrators=args.arbitrators,
                                     redis_data_dir=Path.home() / ".cache" / "kite" / "redis",
                                     state_file=default_state_file()))
     stop = threading.Event()
@@ -51,6 +52,13 @@ Press Ctrl-C to stop.""", flush=True)
     return 0
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: at least 1")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["pool"]:
@@ -77,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--http-port", type=int, default=None)
     run.add_argument("--grpc-port", type=int, default=None)
     run.add_argument("--workers", type=int, default=1)
+    # Replicas (docs/ru-pool.md and docs/arbitrator.md, "Replicas"): several are named ru-pool-<n> /
+    # arbitrator-<n>, each with its own metrics port; one of each leads through a JetStream lease.
+    run.add_argument("--pool-replicas", type=_positive, default=1, metavar="N",
+                     help="ru-pool replicas (default 1)")
+    run.add_argument("--arbitrators", type=_positive, default=1, metavar="N",
+                     help="arbitrator replicas (default 1)")
     run.set_defaults(func=_run)
     sub.add_parser("pool", help="ru-pool administration (stats, clear, pin, unpin, evict, purge)",
                    add_help=False)
