@@ -18,6 +18,7 @@ leads, which is right for the one replica such a deployment runs.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import nats.errors
@@ -28,6 +29,7 @@ from nats.js.kv import KeyValue
 log = logging.getLogger(__name__)
 
 KEY = "holder"
+RESIGN_TIMEOUT_S = 1.0
 
 
 class LeaderLease:
@@ -71,9 +73,14 @@ class LeaderLease:
         if not self.leader or self._kv is None:
             return
         self.leader = False
+        if not self.nc.is_connected:  # the bus is gone (its launcher died): nobody to hand over to
+            log.info("%s lease not released (no NATS connection): it ages out in %.1f s", self.name,
+                     self.lease_s)
+            return
         try:
-            await self._kv.delete(KEY, last=self._revision)
-        except (nats.js.errors.KeyWrongLastSequenceError, nats.errors.Error) as exc:
+            # Bounded: a drain must not wait out JetStream's 5 s default for a bus that goes away meanwhile.
+            await asyncio.wait_for(self._kv.delete(KEY, last=self._revision), RESIGN_TIMEOUT_S)
+        except (nats.js.errors.KeyWrongLastSequenceError, nats.errors.Error, asyncio.TimeoutError) as exc:
             log.info("%s lease not released (%r): it ages out in %.1f s", self.name, exc, self.lease_s)
 
     async def holder(self) -> str:

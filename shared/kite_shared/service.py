@@ -322,6 +322,7 @@ class ServiceRuntime:
         self._heartbeat_fields: Callable[[], dict[str, Any]] = dict
         self._tasks: list[asyncio.Task] = []
         self.nats_errors = NatsErrorLog(common)
+        self.bus_lost = False  # shutdown found NATS gone and closed without draining
 
     def on_drain(self, callback: Callable[[], Awaitable[None]]) -> None:
         self._drain_callbacks.append(callback)
@@ -397,8 +398,12 @@ class ServiceRuntime:
                 return
             log.warning("NATS went away while draining: closing without it")
             drain.cancel()
+        self.bus_lost = True
         if not nc.is_closed:
-            await nc.close()
+            try:
+                await nc.close()
+            except (ConnectionError, OSError) as exc:  # the socket was reset under the close: it is closed
+                log.info("NATS connection closed with %r", exc)
         if drain is not None:  # closing ends what the drain still waited for (its final flush)
             await asyncio.wait({drain}, timeout=1.0)
             if drain.done() and not drain.cancelled():
@@ -424,13 +429,9 @@ def _exit_before_connected(service: str, signum: int, last_nats_error: str) -> N
     why = f"; last NATS error: {last_nats_error}" if last_nats_error else ""
     log.warning("%s stopping before NATS connected (%s%s): nothing to drain", service,
                 signal.Signals(signum).name, why)
-    for handler in logging.getLogger().handlers:
-        handler.flush()
-    sys.stderr.flush()
-    terminate_children()
     # Not SystemExit: raised into whatever was running (model loading, nats-py's connect loop) it could
     # be caught, or leave the interpreter waiting at exit for threads and atexit hooks (tracing exporters).
-    os._exit(0)
+    _exit_now()
 
 
 def terminate_children(grace_s: float = 5.0) -> None:
@@ -491,8 +492,20 @@ def run_service(service: str, setup: Callable[[ServiceRuntime], Awaitable[None]]
         log.info("%s draining", service)
         await runtime.shutdown()
         log.info("%s stopped", service)
+        if runtime.bus_lost:
+            # Nothing is left to deliver, and nats-py's reconnect task can outlive its cancellation
+            # (seen: 15 s of reconnect attempts after "stopped"), holding asyncio.run's cleanup.
+            _exit_now()
 
     try:
         asyncio.run(main())
     finally:
         terminate_children()
+
+
+def _exit_now() -> None:
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stderr.flush()
+    terminate_children()
+    os._exit(0)
