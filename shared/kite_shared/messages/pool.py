@@ -116,8 +116,8 @@ class PoolAdminRequest(Message):
     (all, one model_fingerprint, one tenant, or a model's blocks of one tenant), pin / unpin
     (model_fingerprint + block_hashes: never evicted, archived or expired until unpinned; with `tenant`
     for a tenant's blocks, default anonymous), evict (model_fingerprint + block_hashes: delete those
-    blocks from hot, warm, cold and the index, pins included, so the next request computes them; same
-    `tenant` rule as pin), purge (delete every block of model_fingerprint from every tier and refuse it
+    blocks from hot, warm, cold and the index, pins included, so no request loads them from the pool
+    again; a worker's own prefix cache keeps its copy until it evicts it; same `tenant` rule as pin), purge (delete every block of model_fingerprint from every tier and refuse it
     from now on)."""
 
     KIND: ClassVar[str] = "pool_admin_request"
