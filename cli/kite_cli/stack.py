@@ -20,6 +20,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from kite_cli.local_servers import LocalServer, die_with_parent, find_binary, free_port, start_nats, start_redis
 from kite_shared.config import setting
 
@@ -334,16 +336,6 @@ def write_state(path: Path, state: StackState) -> None:
     tmp.replace(path)  # readers see the old file or the new one, never half of one
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
 def read_state(path: Path | None = None) -> StackState | None:
     """The stack recorded in `path` (default: `default_state_file()`) while its `kite run` lives; None when
     there is none, or the file is unreadable or was left by a `kite run` that was killed."""
@@ -355,7 +347,7 @@ def read_state(path: Path | None = None) -> StackState | None:
                              log_dir=str(data["log_dir"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return state if state.nats_url and _alive(state.pid) else None
+    return state if state.nats_url and psutil.pid_exists(state.pid) else None
 
 
 def remove_state(path: Path) -> None:
