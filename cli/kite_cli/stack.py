@@ -234,10 +234,7 @@ class LocalStack:
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            dead = [p for p in self.processes if p.process.poll() is not None and p.name != "worker"]
-            if dead:
-                raise RuntimeError(f"{dead[0].name} exited with code {dead[0].process.returncode}; "
-                                   f"see {dead[0].log_path}:\n{self.tail(dead[0])}")
+            self._raise_if_a_service_exited()
             if self.health_status() == 200:
                 return
             time.sleep(0.25)
@@ -247,11 +244,14 @@ class LocalStack:
         """For a stack without a gateway: fail if a service process exits within `settle_s`."""
         deadline = time.monotonic() + settle_s
         while time.monotonic() < deadline:
-            dead = [p for p in self.processes if p.process.poll() is not None and p.name != "worker"]
-            if dead:
-                raise RuntimeError(f"{dead[0].name} exited with code {dead[0].process.returncode}; "
-                                   f"see {dead[0].log_path}:\n{self.tail(dead[0])}")
+            self._raise_if_a_service_exited()
             time.sleep(0.1)
+
+    def _raise_if_a_service_exited(self) -> None:
+        dead = [p for p in self.processes if p.process.poll() is not None and p.name != "worker"]
+        if dead:
+            raise RuntimeError(f"{dead[0].name} exited with code {dead[0].process.returncode}; "
+                               f"see {dead[0].log_path}:\n{self.tail(dead[0])}")
 
     @staticmethod
     def tail(proc: ServiceProcess, num_bytes: int = 3000) -> str:
