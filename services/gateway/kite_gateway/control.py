@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 
 from prometheus_client import Counter
 
@@ -20,6 +19,7 @@ from kite_shared import subjects
 from kite_shared.endpoints import Endpoint
 from kite_shared.messages import Decision, GatewayTelemetry
 from kite_shared.service import ServiceRuntime
+from kite_shared.window import TimeWindow
 from kite_gateway.errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -31,29 +31,24 @@ _UNCOUNTED_PATHS = ("/health", "/metrics")
 class RequestStats:
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
-        self._events: deque[tuple[float, bool]] = deque()  # (monotonic, error)
-        self._rejects: deque[float] = deque()
+        self._answers = TimeWindow(window_s)  # one sample per API answer: 1 for a 5xx, else 0
+        self._rejects = TimeWindow(window_s)  # one sample per early reject
 
     def observe(self, path: str, status: int, now: float | None = None) -> None:
         if path in _UNCOUNTED_PATHS:
             return
-        self._events.append((time.monotonic() if now is None else now, status >= 500))
+        self._answers.add(time.monotonic() if now is None else now, float(status >= 500))
 
     def rejected(self, now: float | None = None) -> None:
-        self._rejects.append(time.monotonic() if now is None else now)
+        self._rejects.add(time.monotonic() if now is None else now)
 
     def rates(self, now: float | None = None) -> tuple[float, float, float]:
         """(requests per second, error fraction, rejected fraction) over the window."""
         now = time.monotonic() if now is None else now
-        while self._events and now - self._events[0][0] > self.window_s:
-            self._events.popleft()
-        while self._rejects and now - self._rejects[0] > self.window_s:
-            self._rejects.popleft()
-        n = len(self._events)
+        n = self._answers.count(now)
         if not n:
             return 0.0, 0.0, 0.0
-        errors = sum(1 for _, e in self._events if e)
-        return n / self.window_s, errors / n, min(1.0, len(self._rejects) / n)
+        return n / self.window_s, self._answers.total(now) / n, min(1.0, self._rejects.count(now) / n)
 
 
 class AdmissionGate:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Protocol
 from kite_shared import subjects
 from kite_shared.messages import Decision, WorkerTelemetry
 from kite_shared.service import ServiceRuntime
+from kite_shared.window import TimeWindow
 from kite_worker.write_policy import WritePolicyFilter
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class WorkerControl:
         self.standby = standby
         self.interval_s = interval_s
         self.window_s = window_s
-        self._ttft: deque[tuple[float, float]] = deque()  # (monotonic, seconds)
+        self._ttft = TimeWindow(window_s)  # seconds to first token, one sample per request
         self._hits: deque[tuple[float, int, int]] = deque()  # (monotonic, reused, computed) snapshots
         self._accepted = 0
         self._activation: tuple[str, float] | None = None  # (decision id, issued_at) awaiting a request
@@ -148,16 +148,14 @@ class WorkerControl:
     def snapshot(self) -> WorkerTelemetry:
         load = self.worker.load()
         now = time.monotonic()
-        self._ttft.extend((now, s) for s in load.new_ttft_samples)
+        for seconds in load.new_ttft_samples:
+            self._ttft.add(now, seconds)
         self._hits.append((now, load.prompt_tokens_reused, load.prompt_tokens_computed))
         while self._hits and now - self._hits[0][0] > self.window_s:
             self._hits.popleft()
-        while self._ttft and now - self._ttft[0][0] > self.window_s:
-            self._ttft.popleft()
         _, reused0, computed0 = self._hits[0]
         reused = load.prompt_tokens_reused - reused0
         total = reused + load.prompt_tokens_computed - computed0
-        samples = sorted(s for _, s in self._ttft)
         return WorkerTelemetry(
             instance_id=self.rt.instance_id, queue_depth=load.queue_depth, num_running=load.num_running,
             max_running=load.max_running, running_tokens=load.running_tokens,
@@ -169,9 +167,8 @@ class WorkerControl:
             if load.prefill_seconds_per_token > 0 else 0.0,
             decode_tokens_per_s=round(1 / load.decode_seconds_per_token, 1)
             if load.decode_seconds_per_token > 0 else 0.0,
-            ttft_p50_s=round(statistics.median(samples), 4) if samples else 0.0,
-            ttft_p99_s=round(samples[min(len(samples) - 1, int(0.99 * len(samples)))], 4) if samples else 0.0,
-            ttft_samples=len(samples), healthy=load.healthy and not self.rt.draining,
+            ttft_p50_s=round(self._ttft.percentile(now, 0.5), 4),
+            ttft_p99_s=round(self._ttft.percentile(now, 0.99), 4), ttft_samples=self._ttft.count(now), healthy=load.healthy and not self.rt.draining,
             standby=self.standby, draining=self.rt.draining, write_policy=self.writes.policy,
             pool_read=load.pool_read,
             requests_accepted=self._accepted, activation_decision_id=self._activation_id,
