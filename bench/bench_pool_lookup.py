@@ -1,9 +1,9 @@
-"""Benchmark of the ru-pool: lookup latency under a steady request rate, and block fetch throughput per
-tier, over NATS (through the pool) and directly from the tiers (what a worker can do itself).
+"""Benchmark of the ru-pool's lookups: latency under a steady request rate, against a bare NATS echo.
+(Block bytes per tier, the data plane, are bench_data_plane.py's.)
 
-Starts its own nats-server, redis-server and moto S3 server on free ports, and the ru-pool as a real
-process (`python -m kite_ru_pool`). Blocks have SmolLM2-135M's geometry (30 layers, 3 KV heads, head
-dim 64, 16 tokens, fp16: 368,640 payload bytes).
+Starts its own nats-server and redis-server on free ports, and the ru-pool as a real process
+(`python -m kite_ru_pool`). Blocks have SmolLM2-135M's geometry (30 layers, 3 KV heads, head dim 64, 16
+tokens, fp16: 368,640 payload bytes).
 
     .venv/bin/python bench/bench_pool_lookup.py [--rate 1000] [--seconds 5] [--chain 128]
         [--client-gc freeze|default] [--index-blocks N] [--sweep-interval S]
@@ -29,26 +29,22 @@ import gc
 import hashlib
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from pathlib import Path
 
 import nats
 
 from kite_shared.security import ru_key
 
-from kite_cli.local_servers import free_port, start_nats, start_redis, wait_for_port
+from kite_cli.local_servers import free_port, start_nats, start_redis
 from kite_shared import subjects
 from kite_shared.messages import PoolAdminReply, PoolAdminRequest, PoolLookupReply, PoolLookupRequest
-from kite_shared.recyclable_unit import RecyclableUnit, decode
-from kite_shared.tiers.cold import LocalDirTier, S3Tier
+from kite_shared.recyclable_unit import RecyclableUnit
 from kite_shared.tiers.keys import BlockKey, redis_key
 from kite_shared.tiers.pool_client import PoolClient
-from kite_shared.tiers.warm import RedisTier
 
 SHAPE = (30, 2, 3, 16, 64)
 PAYLOAD = 30 * 2 * 3 * 16 * 64 * 2
@@ -181,21 +177,6 @@ async def bench_lookup(client: PoolClient, fp: str, hashes: list[bytes], rate: f
             "elapsed": elapsed}
 
 
-async def bench_fetch(label: str, fetch, n_blocks: int, unit_bytes: int, repeat: int = 1) -> None:
-    per_call: list[float] = []
-    got = 0
-    for _ in range(repeat):
-        started = time.perf_counter()
-        got = await fetch()
-        per_call.append(time.perf_counter() - started)
-    total = statistics.median(per_call)
-    mb_s = n_blocks * unit_bytes / total / 1e6
-    print(f"fetch   {label:<42} {got:>4}/{n_blocks} blocks  {total * 1e3:8.1f} ms  {mb_s:8.1f} MB/s  "
-          f"({total / n_blocks * 1e3:.2f} ms/block)")
-    if got != n_blocks:
-        print(f"        WARNING: {label} returned {got} of {n_blocks} blocks")
-
-
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rate", type=float, default=1000.0)
@@ -220,31 +201,17 @@ async def main() -> None:
 
     nats_srv = start_nats()
     redis_srv = start_redis()
-    s3_port = free_port()
-    moto = Path(sys.executable).parent / "moto_server"
-    s3_proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(s3_port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_port(s3_port, s3_proc, 30, "moto_server")
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-    s3_url = f"http://127.0.0.1:{s3_port}"
-    prefix = f"bench-{uuid.uuid4().hex[:6]}/"
     metrics_port = free_port()
-    fp_a, fp_b, fp_cold = (hashlib.sha256(uuid.uuid4().bytes).hexdigest() for _ in range(3))
+    fp_a = hashlib.sha256(uuid.uuid4().bytes).hexdigest()
     n = args.chain
-    chain_a, chain_b, chain_cold = make_chain(fp_a, n), make_chain(fp_b, n), make_chain(fp_cold, n)
+    chain_a = make_chain(fp_a, n)
     unit_bytes = len(chain_a[0][1])
     print(f"unit {unit_bytes} bytes; nats max_payload 8 MiB; cpus {os.cpu_count()}")
-
-    # Seed the cold tier before the pool starts: its index rebuild finds these blocks in cold only.
-    s3 = S3Tier(s3_url, "kite-bench", prefix)
-    await s3.ensure_bucket()
-    await asyncio.gather(*(s3.put(BlockKey.of(fp_cold, h), d) for h, d in chain_cold))
     if args.index_blocks:
         seed_index(redis_srv.port, args.index_blocks)
 
     env = dict(os.environ, KITE_NATS_URL=nats_srv.url, KITE_REDIS_URL=redis_srv.url + "/0",
-               KITE_S3_ENDPOINT=s3_url, KITE_S3_BUCKET="kite-bench", KITE_S3_PREFIX=prefix,
+               KITE_S3_ENDPOINT="", KITE_COLD_DIR=tempfile.mkdtemp(prefix="kite-bench-cold-"),
                KITE_POOL_HOT_BYTES=str((n + 2) * unit_bytes), KITE_LOG_LEVEL="WARNING",
                KITE_METRICS_PORT=str(metrics_port))
     if args.sweep_interval is not None:
@@ -282,73 +249,10 @@ async def main() -> None:
         await bench_lookup(client, fp_a, hashes_a, args.rate, args.seconds, echo=True)
         echo.terminate()
         echo.wait(5)
-
-        # Side by side: the same hot blocks inline in NATS replies, as same-host hand-off files, and the
-        # hand-off with each unit verified (checksum + HMAC: what a worker does before loading), against
-        # the floor of one memory copy of the same bytes.
-        inline = PoolClient(nc, lookup_timeout_s=1.0, get_timeout_s=10.0, handoff=False)
-        await bench_fetch("hot  via NATS (pool get, inline)", lambda: _count(inline.get(fp_a, hashes_a)), n,
-                          unit_bytes, repeat=3)
-        await bench_fetch("hot  same-host hand-off (pool get)", lambda: _count(client.get(fp_a, hashes_a)), n,
-                          unit_bytes, repeat=3)
-
-        async def handoff_verified() -> int:
-            units = await client.get(fp_a, hashes_a)
-            return len([decode(u, expected_hash=h, expected_model=fp_a, key=ru_key())
-                        for u, h in zip(units, hashes_a)])
-        await bench_fetch("hot  hand-off + verify", handoff_verified, n, unit_bytes, repeat=3)
-        payloads = [d for _, d in chain_a]
-
-        async def memcpy() -> int:
-            return len([bytearray(d) for d in payloads])
-        await bench_fetch("floor: memcpy of the same bytes", memcpy, n, unit_bytes, repeat=3)
-        for _, d in chain_b:  # evicts chain A from hot (it stays in warm)
-            await client.put(d)
-        await nc.flush()
-        while (r := await client.lookup(fp_a, hashes_a)).hot > 0 or r.warm < n:
-            await asyncio.sleep(0.05)
-        await bench_fetch("warm via NATS (pool get)", lambda: _count(inline.get(fp_a, hashes_a)), n, unit_bytes)
-        hashes_cold = [h for h, _ in chain_cold]
-        await bench_fetch("cold(S3) via NATS (pool get)", lambda: _count(inline.get(fp_cold, hashes_cold)), n,
-                          unit_bytes)
-
-        warm = RedisTier(redis_srv.url + "/0", timeout_s=2.0)
-        from kite_shared.tiers.client import TierClient
-        direct_warm = TierClient(warm, None)
-        hashes_b = [h for h, _ in chain_b]
-        await bench_fetch("warm direct (TierClient, 8 conc.)",
-                          lambda: _count(direct_warm.fetch_chain(fp_b, hashes_b)), n, unit_bytes, repeat=3)
-        warm.ru_key = ru_key()
-
-        async def warm_batch() -> int:
-            return sum(found is not None for found in await warm.get_units(fp_b, hashes_b))
-        await bench_fetch("warm direct (pipelined batch, verified)", warm_batch, n, unit_bytes, repeat=3)
-
-        async def raw_pipeline() -> int:  # the floor: the same GETs, nothing decoded or verified
-            async with warm._redis.pipeline(transaction=False) as pipe:
-                for h in hashes_b:
-                    pipe.get(redis_key(BlockKey.of(fp_b, h)))
-                return sum(v is not None for v in await pipe.execute())
-        await bench_fetch("floor: raw pipelined GETs (hiredis)", raw_pipeline, n, unit_bytes, repeat=3)
-        direct_s3 = TierClient(None, S3Tier(s3_url, "kite-bench", prefix))
-        await bench_fetch("cold(S3) direct (TierClient, 8 conc.)",
-                          lambda: _count(direct_s3.fetch_chain(fp_cold, hashes_cold)), n, unit_bytes, repeat=3)
-        with tempfile.TemporaryDirectory() as tmp:
-            local = LocalDirTier(tmp)
-            await asyncio.gather(*(local.put(BlockKey.of(fp_b, h), d) for h, d in chain_b))
-            direct_local = TierClient(None, local)
-            await bench_fetch("cold(local dir) direct (TierClient)",
-                              lambda: _count(direct_local.fetch_chain(fp_b, hashes_b)), n, unit_bytes, repeat=3)
-            await local.close()
-        await direct_warm.close()
-        await direct_s3.close()
     finally:
         await nc.close()
         pool.send_signal(signal.SIGTERM)
         pool.wait(15)
-        await s3.close()
-        s3_proc.terminate()
-        s3_proc.wait(10)
         redis_srv.stop()
         nats_srv.stop()
 
@@ -506,7 +410,6 @@ def seed_index(redis_port: int, count: int) -> None:
     """`count` stand-in warm blocks of another model (tiny values with the usual TTL): the pool indexes
     them at start and never reads them, so they only make its index bigger."""
     import redis
-    from kite_shared.tiers.keys import redis_key
     fp = hashlib.sha256(b"bench index filler").hexdigest()
     r = redis.Redis(port=redis_port, db=0)
     for start in range(0, count, 10_000):
@@ -517,10 +420,6 @@ def seed_index(redis_port: int, count: int) -> None:
         pipe.execute()
     r.close()
     print(f"index: {count} more warm blocks seeded in Redis")
-
-
-async def _count(coro) -> int:
-    return len(await coro)
 
 
 if __name__ == "__main__":

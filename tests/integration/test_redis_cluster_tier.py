@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 import uuid
 
 import nats
@@ -166,6 +167,24 @@ async def test_delete_many_spans_slots_and_nodes(ctier, redis_cluster):
     assert {s.key async for s in ctier.iter_keys()} == {BlockKey.of(fp, h) for h, _ in units[200:]}
     assert await ctier.delete(BlockKey.of(fp, units[250][0]))
     assert await ctier.get_verified(fp, units[250][0]) is None and ctier.up
+
+
+async def test_a_batched_read_spans_the_nodes_and_refreshes_the_hits_expiry(ctier, redis_cluster):
+    fp = new_fp()
+    units = make_units(fp, 12)  # several keys, so several slots and nodes: one MGET per slot
+    await put_all(ctier, fp, units[:9])
+    await put_all(ctier, fp, units[9:], pinned=True)
+    with redis_cluster.client() as rc:
+        for h, _ in units[:9]:
+            rc.pexpire(redis_key(BlockKey.of(fp, h)), 5_000)
+        found = await ctier.get_units(fp, [h for h, _ in units] + [b"\x07" * 32])
+        assert [f is not None and f[1] for f in found] == [d for _, d in units] + [False]
+        deadline = time.monotonic() + 5
+        while min(rc.pttl(redis_key(BlockKey.of(fp, h))) for h, _ in units[:9]) <= 25_000:
+            assert time.monotonic() < deadline, "the batched hits did not restart their TTLs"
+            await asyncio.sleep(0.01)
+        assert all(rc.pttl(redis_key(BlockKey.of(fp, h))) == -1 for h, _ in units[9:])
+    assert ctier.up
 
 
 async def test_ttl_is_refreshed_on_hit_and_pins_have_none(ctier, redis_cluster):

@@ -15,6 +15,7 @@ import boto3
 import nats
 import pytest
 import redis
+import torch
 
 from kite_cli import pool_admin
 from kite_cli.local_servers import free_port, start_redis
@@ -22,12 +23,13 @@ from kite_ru_pool.core import COLD
 from kite_ru_pool.service import PoolService
 from kite_shared import subjects
 from kite_shared.config import RuPoolConfig, TierConfig, load
-from kite_shared.messages import PoolAdminReply, PoolAdminRequest, PoolGetReply, PoolLookupReply
+from kite_shared.messages import PoolAdminReply, PoolAdminRequest, PoolGetReply, PoolGetRequest, PoolLookupReply
 from kite_shared.recyclable_unit import RecyclableUnit, decode
 from kite_shared.security import ANONYMOUS_TENANT, ru_key, tenant_tag
-from kite_shared.tiers import metrics
+from kite_shared.tiers import handoff, metrics
 from kite_shared.tiers.keys import BlockKey, object_key, redis_key, redis_pattern
 from kite_shared.tiers.pool_client import PoolClient
+from kite_worker.pool_loader import CostModel, PoolLoader
 
 SHAPE = (2, 2, 1, 16, 4)
 
@@ -180,24 +182,87 @@ async def test_get_reply_is_split_to_fit_the_byte_budget(pools, client):
     assert units == [d for _, d in chain]  # three requests: 2 + 2 + 1
 
 
-async def test_same_host_get_hands_units_off_as_files_that_the_reader_removes(pools, client, env):
+async def test_same_host_get_lends_the_hot_files_and_writes_nothing(pools, client, env):
     pool = await pools.start()
     assert pool.handoff is not None  # the default folder, /dev/shm/kite-pool, on this host
     fp = new_fp()
     chain = make_chain(fp, 5)
     await put_chain(client, pool, chain)
+    hot_files = sorted(p.name for p in pool.handoff.path.iterdir())
+    assert len(hot_files) == 5 and all(name.endswith(".hot") for name in hot_files)
+    assert pool.hot_files.num_kept == 5
     hashes = [h for h, _ in chain]
-    assert await client.get(fp, hashes) == [d for _, d in chain]
-    assert pool.handoff.num_files_written == 5
-    assert list(pool.handoff.path.iterdir()) == []  # the reader took them
+    units = await client.get(fp, hashes)
+    assert units == [d for _, d in chain]
+    assert all(isinstance(u, memoryview) and not u.readonly for u in units)  # mapped, not copied
+    assert pool.handoff.num_files_written == 0  # nothing written for the reply
+    assert sorted(p.name for p in pool.handoff.path.iterdir()) == hot_files  # lent, not taken
 
     nc = await nats.connect(env.nats_url)
     try:
         inline = PoolClient(nc, handoff=False)
-        assert await inline.get(fp, hashes) == [d for _, d in chain]
-        assert pool.handoff.num_files_written == 5  # the inline reader got bytes in the reply
+        assert await inline.get(fp, hashes) == [d for _, d in chain]  # bytes in the reply
     finally:
         await nc.close()
+
+    await client.admin(PoolAdminRequest(op="evict", model_fingerprint=fp, block_hashes=hashes[3:]))
+    assert len(list(pool.handoff.path.iterdir())) == 3  # a unit's file goes with it
+    assert bytes(units[4]) == chain[4][1]  # a reader that mapped it keeps whole bytes
+
+
+async def test_units_not_held_hot_are_handed_off_in_reply_files_the_reader_removes(pools, client):
+    pool = await pools.start(hot_bytes=0)  # nothing stays hot: every get reads warm
+    fp = new_fp()
+    chain = make_chain(fp, 4)
+    await put_chain(client, pool, chain)
+    assert await client.get(fp, [h for h, _ in chain]) == [d for _, d in chain]
+    assert pool.handoff.num_files_written == 4
+    assert list(pool.handoff.path.iterdir()) == []  # the reader removed them
+
+
+def same_host_loader(client: PoolClient, fp: str) -> PoolLoader:
+    """The worker's loader reading through the pool only, with a cost model that loads every block."""
+    cost = CostModel(block_size=16, block_bytes=UNIT_BYTES, prefill_seconds_per_token=1.0)
+    return PoolLoader(client, None, cost, fp, SHAPE, torch.float16, mac_key=ru_key())
+
+
+async def test_a_damaged_hot_file_is_a_miss_from_that_block_on(pools, client):
+    pool = await pools.start()
+    fp = new_fp()
+    chain = make_chain(fp, 4)
+    await put_chain(client, pool, chain)
+    hashes = [h for h, _ in chain]
+    path = pool.io.hot_files.lent_path(pool.core.hot.peek(BlockKey.of(fp, hashes[2])))
+    with open(path, "r+b") as f:  # one payload byte flipped in place (the file keeps its size)
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last ^ 0xFF]))
+    loader = same_host_loader(client, fp)
+    loaded = await loader.load(hashes, num_local=0)
+    assert [h for h, _ in loaded] == hashes[:2]  # the damaged block and what follows are computed
+    assert loader.num_rejected == 1
+    assert torch.equal(loaded[1][1].flatten().view(torch.uint8),
+                       torch.frombuffer(bytearray(decode(chain[1][1]).payload), dtype=torch.uint8))
+
+
+async def test_a_torn_reply_file_is_a_miss_from_that_block_on(pools, client):
+    pool = await pools.start(hot_bytes=0)  # nothing hot: units travel in reply files
+    fp = new_fp()
+    chain = make_chain(fp, 4)
+    await put_chain(client, pool, chain)
+    write_all = pool.handoff.write_all
+
+    def torn(units):  # as a pool killed in the middle of its second write would leave it
+        paths = write_all(units)
+        os.truncate(paths[1], UNIT_BYTES // 2)
+        return paths
+
+    pool.handoff.write_all = torn
+    loader = same_host_loader(client, fp)
+    loaded = await loader.load([h for h, _ in chain], num_local=0)
+    assert len(loaded) == 1 and loader.num_rejected == 1
+    assert list(pool.handoff.path.iterdir()) == []  # the reader removed every reply file anyway
 
 
 async def test_a_reader_that_cannot_see_the_handoff_folder_falls_back_to_inline_replies(pools, client):
@@ -205,17 +270,25 @@ async def test_a_reader_that_cannot_see_the_handoff_folder_falls_back_to_inline_
     fp = new_fp()
     chain = make_chain(fp, 3)
     await put_chain(client, pool, chain)
-    write_all = pool.handoff.write_all
-
-    def written_elsewhere(units):  # as if the reader were in a container without the pool's folder
-        paths = write_all(units)
-        for path in paths:
-            os.rename(path, path + ".elsewhere")
-        return paths
-
-    pool.handoff.write_all = written_elsewhere
+    # As if the reader were in a container without the pool's folder: the paths it is lent lead nowhere.
+    pool.io.hot_files.lent_path = lambda data: "/nonexistent-kite-pool/0.hot"
     assert await client.get(fp, [h for h, _ in chain]) == [d for _, d in chain]
     assert client.handoff is False  # and stays inline: one extra round trip, once
+
+
+async def test_reply_files_nobody_read_are_swept(pools, client, env):
+    pool = await pools.start(hot_bytes=0)
+    fp = new_fp()
+    chain = make_chain(fp, 3)
+    await put_chain(client, pool, chain)
+    nc = await nats.connect(env.nats_url)
+    try:  # a reader killed between the reply and its read: asked, never read
+        raw = await nc.request(subjects.POOL_GET, PoolGetRequest(
+            model_fingerprint=fp, block_hashes=[h for h, _ in chain], host_id=handoff.host_id()).encode(),
+            timeout=5)
+    finally:
+        await nc.close()
+    assert len(PoolGetReply.decode(raw.data).unit_files) == 3
     for stray in pool.handoff.path.iterdir():
         os.utime(stray, (0, 0))
     assert pool.handoff.sweep() == 3  # files nobody read are freed

@@ -6,6 +6,7 @@ import struct
 
 import msgpack
 import numpy as np
+from blake3 import blake3
 import pytest
 
 from kite_shared.recyclable_unit import (RecyclableUnit, RUChecksumError, RUFormatError, RUKeyMismatchError,
@@ -32,10 +33,20 @@ def test_round_trip(codec):
 def test_layout_is_magic_length_header_payload():
     data = unit().encode()
     magic, version, header_len = struct.unpack_from(">3sBI", data)
-    assert (magic, version) == (b"KRU", 4)
+    assert (magic, version) == (b"KRU", 5)
     header = msgpack.unpackb(data[8:8 + header_len])
     assert header["shape"] == list(SHAPE) and header["codec"] == "fp16"
     assert data[8 + header_len:] == unit().payload
+    assert header["checksum"] == blake3(unit().payload).digest()
+
+
+def test_decode_views_the_payload_without_copying():
+    """A reader that decodes into its own writable buffer can give the payload to torch as it is."""
+    buffer = bytearray(unit().encode())
+    payload = decode(buffer).payload
+    assert isinstance(payload, memoryview) and not payload.readonly
+    buffer[-1] ^= 0xFF
+    assert payload[-1] == buffer[-1]
 
 
 def test_flipped_payload_byte_fails_checksum():
@@ -48,7 +59,8 @@ def test_flipped_payload_byte_fails_checksum():
 @pytest.mark.parametrize("damage", [
     lambda d: d[:7],  # truncated preamble
     lambda d: b"XRU" + d[3:],  # bad magic
-    lambda d: d[:3] + b"\x05" + d[4:],  # unknown version
+    lambda d: d[:3] + b"\x06" + d[4:],  # unknown version
+    lambda d: d[:3] + b"\x04" + d[4:],  # version 4 (SHA-256 checksum) is no longer read
     lambda d: d[:3] + b"\x03" + d[4:],  # version 3 (MAC over the payload too) is no longer read
     lambda d: d[:3] + b"\x01" + d[4:],  # version 1 (no MAC) is no longer read
     lambda d: d[:3] + b"\x02" + d[4:],  # version 2 (no tenant tag) is no longer read

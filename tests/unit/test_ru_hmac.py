@@ -3,12 +3,12 @@ tiers treating a failed check as a counted miss (never a load)."""
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing
 import os
 import stat
 
 import msgpack
+from blake3 import blake3
 import numpy as np
 import pytest
 
@@ -37,7 +37,7 @@ def _rewrite_header(data: bytes, **changes) -> bytes:
     header = msgpack.unpackb(data[8:8 + header_len], raw=False)
     payload = changes.pop("payload", data[8 + header_len:])
     header.update(changes)
-    header["checksum"] = hashlib.sha256(payload).digest()
+    header["checksum"] = blake3(payload).digest()
     packed = msgpack.packb(header, use_bin_type=True)
     return data[:4] + len(packed).to_bytes(4, "big") + packed + payload
 

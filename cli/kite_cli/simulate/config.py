@@ -43,8 +43,10 @@ class CostModelConfig:
     # vLLM-CPU one request at a time: 1.27 req/s of 16 tokens with TTFT 0.166 s -> 41 ms per token.
     decode_tokens_per_s: float = 24.0
     block_bytes: int = SMOLLM2_BLOCK_BYTES
-    # bench_pool_lookup.py: hot blocks through the pool's same-host hand-off, verified: 231-241 MB/s;
-    # warm read directly from Redis, 8 concurrent GETs, verified: 381-425 MB/s.
+    # bench_pool_lookup.py before issue 15's data plane: hot blocks through the pool's same-host hand-off,
+    # verified: 231-241 MB/s; warm read directly from Redis, 8 concurrent GETs, verified: 381-425 MB/s.
+    # docs/architecture.md's simulated figures were computed with these. bench_data_plane.py measures
+    # 2,363-3,066 (hot, same host) and 1,216-1,607 MB/s (warm) since: --hot-load-mb-s / --warm-load-mb-s.
     hot_load_mb_s: float = 236.0
     warm_load_mb_s: float = 403.0
 

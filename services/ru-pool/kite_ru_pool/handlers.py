@@ -46,7 +46,7 @@ from kite_shared.tiers.keys import model_tag
 from kite_ru_pool.admin import PoolAdmin
 from kite_ru_pool.core import PoolCore
 from kite_ru_pool.maintenance import Maintenance
-from kite_ru_pool.tier_io import TierIO
+from kite_ru_pool.tier_io import FoundBlocks, TierIO
 
 log = logging.getLogger(__name__)
 
@@ -129,28 +129,31 @@ class PoolHandlers:
         budget = HANDOFF_REPLY_MAX_BYTES if handoff else inline_budget
         if req.max_bytes > 0:
             budget = min(budget, req.max_bytes)
-        reply = await self.io.get_blocks(req.model_fingerprint, req.block_hashes, budget,
+        found = await self.io.get_blocks(req.model_fingerprint, req.block_hashes, budget,
                                          security.tenant_tag(req.tenant))
-        if handoff and reply.units:
-            reply = await self._hand_off(reply, min(budget, inline_budget))
-        return reply
+        if handoff and found.units:
+            return await self._hand_off(found, min(budget, inline_budget))
+        return _inline(found, len(found.units))
 
-    async def _hand_off(self, reply: PoolGetReply, inline_budget: int) -> PoolGetReply:
-        """The same reply with its units in hand-off files; inline (cut to `inline_budget`) if the folder
-        cannot take them (a full tmpfs, say)."""
+    async def _hand_off(self, found: FoundBlocks, inline_budget: int) -> PoolGetReply:
+        """The units as files: the hot files that hold them when every one is in one (nothing written),
+        else reply files written for the asker; inline (cut to `inline_budget`) if the folder cannot
+        take them (a full tmpfs, say)."""
+        lent = [self.io.hot_files.lent_path(data) for data in found.units] if self.io.hot_files else [None]
+        if None not in lent:
+            return PoolGetReply(unit_files=lent, files_lent=True, tiers=found.tiers, complete=found.complete,
+                                error=found.error)
         try:
-            paths = await asyncio.to_thread(self.handoff.write_all, reply.units)
+            paths = await asyncio.to_thread(self.handoff.write_all, found.units)
         except OSError as exc:
             log.warning("hand-off write failed (%r); replying inline", exc)
-            units, total = [], 0
-            for data in reply.units:
+            count, total = 0, 0
+            for data in found.units:
                 if total + len(data) > inline_budget:
                     break
-                units.append(data)
-                total += len(data)
-            return reply.model_copy(update={"units": units, "tiers": reply.tiers[:len(units)],
-                                            "complete": reply.complete and len(units) == len(reply.units)})
-        return reply.model_copy(update={"units": [], "unit_files": paths})
+                count, total = count + 1, total + len(data)
+            return _inline(found, count)
+        return PoolGetReply(unit_files=paths, tiers=found.tiers, complete=found.complete, error=found.error)
 
     async def sweep_handoff(self) -> None:
         """Free the hand-off files nobody read (periodic; a reader killed between reply and read)."""
@@ -182,3 +185,10 @@ class PoolHandlers:
                      ", purging in the background" if leading else " (the leading replica purges them)")
             if leading:
                 self.maintenance.purge_in_background()
+
+
+def _inline(found: FoundBlocks, count: int) -> PoolGetReply:
+    """The first `count` units inside the reply (views of hot files become bytes: a NATS message is
+    bytes anyway)."""
+    return PoolGetReply(units=[bytes(data) for data in found.units[:count]], tiers=found.tiers[:count],
+                        complete=found.complete and count == len(found.units), error=found.error)

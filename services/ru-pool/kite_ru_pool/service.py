@@ -35,7 +35,7 @@ from nats.aio.client import Client as NATS
 
 from kite_shared import security, subjects
 from kite_shared.config import CommonConfig, RuPoolConfig, TierConfig, load
-from kite_shared.messages import PoolAdminReply, PoolGetReply
+from kite_shared.messages import PoolAdminReply
 from kite_shared.service import ServiceRuntime
 from kite_shared.tiers import handoff
 from kite_shared.tiers.client import TierClient
@@ -77,12 +77,15 @@ class PoolService:
                              has_cold=self.cold is not None, tenant_quota_bytes=cfg.tenant_quota_bytes,
                              tenant_quotas={security.tenant_tag(name): quota
                                             for name, quota in cfg.tenant_quota_overrides().items()})
-        # Same-host readers get hot blocks as files in memory rather than through NATS (tiers.handoff).
+        # Same-host readers map hot blocks from files in memory rather than get them through NATS
+        # (tiers.handoff): the hot tier keeps each unit in a file of this folder.
         self.host_id = handoff.host_id()
         self.handoff = handoff.open_folder(cfg.handoff_dir)
+        self.hot_files = handoff.HotFiles(self.handoff) if self.handoff is not None else None
         self.background = BackgroundTasks()
         self.changes = IndexChangeLog()  # what this replica changes in the shared tiers, for the others
-        self.io = TierIO(self.core, self.tiers, self.ru_key, clock, self.background, self.changes)
+        self.io = TierIO(self.core, self.tiers, self.ru_key, clock, self.background, self.changes,
+                         self.hot_files)
         self.replicas: Replicas | None = None  # set below: Maintenance asks it who leads
         self.maintenance = Maintenance(self.core, self.io, self.tiers, clock, self.background,
                                        cfg.sweep_interval_s, freeze_gc, leading=lambda: self.replicas.leading())
@@ -190,10 +193,6 @@ class PoolService:
 
     def put_bytes(self, data: bytes) -> str:
         return self.io.put_bytes(data)
-
-    async def get_blocks(self, model_fingerprint: str, hashes: list[bytes], budget: int,
-                         tenant_tag: str = security.ANONYMOUS_TENANT_TAG) -> PoolGetReply:
-        return await self.io.get_blocks(model_fingerprint, hashes, budget, tenant_tag)
 
     async def sweep_once(self) -> None:
         await self.maintenance.sweep_once()

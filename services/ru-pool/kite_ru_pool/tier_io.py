@@ -3,8 +3,10 @@ back to it. Puts (verify, admit, quota, hot, write-through), gets (hot, then war
 batches, promoting what it reads), demotions, deletions of dropped blocks, pins in storage, and the
 verification of units copied between tiers.
 
-Boundary: calls the pure core (core.PoolCore) and the tier clients (kite_shared.tiers: RedisTier,
-S3Tier/LocalDirTier behind TierClient); knows nothing of NATS or messages but the PoolGetReply it builds.
+Boundary: calls the pure core (core.PoolCore), the tier clients (kite_shared.tiers: RedisTier,
+S3Tier/LocalDirTier behind TierClient) and, when the pool has a hand-off folder, its hot files
+(kite_shared.tiers.handoff.HotFiles: what enters hot is kept in a file of its own, which same-host
+readers map); knows nothing of NATS or messages.
 Every change it makes to what warm and cold hold is also recorded in the index change log
 (index_changes.IndexChangeLog), which the replica layer sends to the other replicas.
 No call waits on a slow tier longer than that tier's timeout, and writes run as background tasks
@@ -17,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 from kite_shared import recyclable_unit, security
-from kite_shared.messages import ErrorInfo, PoolGetReply
+from kite_shared.messages import ErrorInfo
 from kite_shared.tiers import metrics
 from kite_shared.tiers.client import TierClient
+from kite_shared.tiers.handoff import HotFiles
 from kite_shared.tiers.keys import BlockKey, model_tag
 from kite_ru_pool.background import BackgroundTasks
 from kite_ru_pool.core import COLD, HOT, WARM, Demote, DropBlock, PoolCore
@@ -34,10 +38,24 @@ MAX_PENDING_WARM_WRITES = 256  # beyond this, write-through is skipped (demotion
 FETCH_CONCURRENCY = 8  # warm/cold reads one get runs at once
 
 
+@dataclass
+class FoundBlocks:
+    """What a get found: the leading verified units, in order (bytes, or views of hot files), and the
+    tier each came from; `complete` is False when the budget, not a miss, ended it."""
+
+    units: list[bytes | memoryview] = field(default_factory=list)
+    tiers: bytes = b""
+    complete: bool = True
+    error: ErrorInfo | None = None
+
+
 class TierIO:
     def __init__(self, core: PoolCore, tiers: TierClient, ru_key: bytes, clock: Callable[[], float],
-                 background: BackgroundTasks, changes: IndexChangeLog | None = None) -> None:
+                 background: BackgroundTasks, changes: IndexChangeLog | None = None,
+                 hot_files: HotFiles | None = None) -> None:
         self.core = core
+        # Units entering hot are kept as files same-host readers map (None: in process memory only).
+        self.hot_files = hot_files
         # What this replica changes in warm and cold, for the other replicas (none: a disabled log).
         self.changes = changes if changes is not None else IndexChangeLog(enabled=False)
         self.tiers = tiers
@@ -118,13 +136,13 @@ class TierIO:
 
     # --- get ------------------------------------------------------------------------------------------
     async def get_blocks(self, model_fingerprint: str, hashes: list[bytes], budget: int,
-                         tenant_tag: str = security.ANONYMOUS_TENANT_TAG) -> PoolGetReply:
+                         tenant_tag: str = security.ANONYMOUS_TENANT_TAG) -> FoundBlocks:
         """Leading verified units of `hashes` (blocks of tenant `tenant_tag`) within `budget` bytes,
         promoting what it reads."""
         if self.core.is_invalidated(model_fingerprint):
-            return PoolGetReply(error=ErrorInfo(
+            return FoundBlocks(error=ErrorInfo(
                 code="invalidated", message="this model fingerprint was replaced; its blocks are gone"))
-        units: list[bytes] = []
+        units: list[bytes | memoryview] = []
         letters = bytearray()
         total = 0
         i = 0
@@ -158,13 +176,13 @@ class TierIO:
             for unit_bytes, letter in found:
                 if len(unit_bytes) > budget:
                     self._note_read(model_fingerprint, hashes[:len(units)], tenant_tag)
-                    return PoolGetReply(units=units, tiers=bytes(letters), complete=False,
-                                        error=ErrorInfo(code="too_large", message=(
+                    return FoundBlocks(units=units, tiers=bytes(letters), complete=False,
+                                       error=ErrorInfo(code="too_large", message=(
                                             f"a unit of {len(unit_bytes)} bytes exceeds the reply budget "
                                             f"of {budget}; read it from the tiers directly")))
                 if total + len(unit_bytes) > budget:
                     self._note_read(model_fingerprint, hashes[:len(units)], tenant_tag)
-                    return PoolGetReply(units=units, tiers=bytes(letters), complete=False)
+                    return FoundBlocks(units=units, tiers=bytes(letters), complete=False)
                 units.append(unit_bytes)
                 letters += letter.encode()
                 total += len(unit_bytes)
@@ -172,7 +190,7 @@ class TierIO:
             if stop:
                 break
         self._note_read(model_fingerprint, hashes[:len(units)], tenant_tag)
-        return PoolGetReply(units=units, tiers=bytes(letters), complete=True)
+        return FoundBlocks(units=units, tiers=bytes(letters), complete=True)
 
     def _note_read(self, model_fingerprint: str, hashes: list[bytes], tenant_tag: str) -> None:
         """Tell the other replicas these blocks were read (their sweeps then do not archive or expire
@@ -204,7 +222,8 @@ class TierIO:
             now = self.clock()
             self.core.note_stored(key, bit, len(data), now, last_hit=now)
             self._promote(key, data, from_bit=bit)
-            return data, letter
+            held = self.core.hot.peek(key)  # the hot file's view once promoted: lent, not copied
+            return (data if held is None else held), letter
         return None
 
     def _promote(self, key: BlockKey, data: bytes, from_bit: int) -> None:
@@ -221,8 +240,11 @@ class TierIO:
             metrics.TIER_PROMOTIONS.inc()
 
     # --- moves between tiers --------------------------------------------------------------------------
-    def put_hot(self, key: BlockKey, data: bytes, depth: int | None = None) -> bool:
-        """Put into hot through the core, counting evictions and starting the demotions they need."""
+    def put_hot(self, key: BlockKey, data: bytes | memoryview, depth: int | None = None) -> bool:
+        """Put into hot through the core (as a hot file when the pool has them), counting evictions and
+        starting the demotions they need."""
+        if self.hot_files is not None:
+            data = self.hot_files.keep(data)
         before = self.core.counters.hot_evictions
         actions = self.core.put_hot(key, data, self.clock(), depth)
         evicted = self.core.counters.hot_evictions - before

@@ -33,6 +33,7 @@ HMAC, model fingerprint, tenant) before they are staged.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -320,8 +321,10 @@ class _WorkerSide:
     def load(self, loads: list[tuple[int, str]]) -> None:
         for block_id, path in loads:
             try:
-                data = Path(path).read_bytes()
-                block = torch.frombuffer(bytearray(data), dtype=self.options.storage_dtype)
+                with open(path, "rb") as f:  # straight into writable memory torch can use: one copy
+                    data = bytearray(os.fstat(f.fileno()).st_size)
+                    f.readinto(data)
+                block = torch.frombuffer(data, dtype=self.options.storage_dtype)
                 block = block.view(len(self.layers), 2, *self.layers[0].block_shape)
             except (OSError, RuntimeError) as exc:  # evicted, truncated or wrong shape: compute it
                 log.warning("staged block %s not loadable (%r); vLLM recomputes it", Path(path).name, exc)

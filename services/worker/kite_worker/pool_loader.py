@@ -34,6 +34,7 @@ from kite_shared.security import ANONYMOUS_TENANT, tenant_tag
 
 log = logging.getLogger(__name__)
 
+Buffer = bytes | memoryview  # an encoded unit as the pool (inline, or a mapped hand-off file) or a tier gave it
 CODEC_TO_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _EWMA_WEIGHT = 0.2  # weight of the newest sample
 
@@ -55,10 +56,14 @@ class CostModel:
     block_size: int
     block_bytes: int
     prefill_seconds_per_token: float = 0.003  # replaced by the engine's measurement
+    # Seeds, replaced by this worker's own fetches: bench/bench_data_plane.py on the 2-core CI machine
+    # (2026-12-01, verified reads of 128 blocks), rounded down. Hot: 336-364 MB/s inline over NATS, the
+    # path of a worker on another host (one on the pool's host maps the pool's files at 2,363-3,066 MB/s
+    # and learns it on its first fetch); warm: 1,216-1,607 MB/s; cold: 119-157 MB/s from an S3 server.
     tiers: dict[str, TierEstimate] = field(default_factory=lambda: {
-        "h": TierEstimate(latency_s=0.002, bytes_per_s=100e6),
-        "w": TierEstimate(latency_s=0.001, bytes_per_s=200e6),
-        "c": TierEstimate(latency_s=0.010, bytes_per_s=50e6),
+        "h": TierEstimate(latency_s=0.002, bytes_per_s=300e6),
+        "w": TierEstimate(latency_s=0.001, bytes_per_s=1000e6),
+        "c": TierEstimate(latency_s=0.010, bytes_per_s=100e6),
     })
 
     def fetch_seconds(self, letters: bytes) -> float:
@@ -166,10 +171,10 @@ class PoolLoader:
         return loaded
 
     async def _fetch(self, hashes: list[BlockHash], letters: bytes,
-                     tenant: str) -> list[bytes | RecyclableUnit | None]:
+                     tenant: str) -> list[Buffer | RecyclableUnit | None]:
         """Units in order, fetched concurrently per tier: encoded bytes from the pool (to verify here),
         decoded units from direct tier reads (verified by the tier client), None where none could be had."""
-        results: list[bytes | RecyclableUnit | None] = [None] * len(hashes)
+        results: list[Buffer | RecyclableUnit | None] = [None] * len(hashes)
         from_pool = [i for i, c in enumerate(letters) if c == ord("h") or self.tier_client is None]
         direct = [i for i in range(len(hashes)) if i not in set(from_pool)]
 
@@ -225,7 +230,7 @@ class PoolLoader:
                 self.cost.tiers[letter].observe(last - direct_started, num_bytes)
         return results
 
-    def _to_tensor(self, block_hash: BlockHash, found: bytes | RecyclableUnit | None,
+    def _to_tensor(self, block_hash: BlockHash, found: Buffer | RecyclableUnit | None,
                    owner: str) -> torch.Tensor | None:
         if found is None:
             return None
@@ -245,5 +250,10 @@ class PoolLoader:
             log.warning("pool block %s has shape %s, this worker needs %s", bytes(block_hash).hex()[:16],
                         unit.shape, self.block_shape)
             return None
-        tensor = torch.frombuffer(bytearray(unit.payload), dtype=CODEC_TO_TORCH[unit.codec]).reshape(unit.shape)
+        payload = unit.payload
+        if not isinstance(payload, memoryview) or payload.readonly:
+            # Bytes that arrived in a NATS reply or a tier read: torch needs writable memory of its own.
+            # (A mapped hand-off file is writable copy-on-write memory already: used as it is.)
+            payload = bytearray(payload)
+        tensor = torch.frombuffer(payload, dtype=CODEC_TO_TORCH[unit.codec]).reshape(unit.shape)
         return tensor.to(self.storage_dtype)

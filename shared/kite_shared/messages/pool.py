@@ -103,9 +103,11 @@ class PoolGetReply(Message):
 
     KIND: ClassVar[str] = "pool_get_reply"
     units: list[bytes] = Field(default_factory=list)
-    # Paths of same-host hand-off files, one encoded unit each, in order; the asker reads and removes them
-    # (kite_shared.tiers.handoff.take_all).
+    # Paths of same-host hand-off files, one encoded unit each, in order (kite_shared.tiers.handoff.map_units).
     unit_files: list[str] = Field(default_factory=list)
+    # True: the files are the pool's hot files, lent: read them, leave them (one may be gone by then: the
+    # unit left hot, a miss from there on). False: written for this reply; the asker removes them.
+    files_lent: bool = False
     tiers: bytes = b""  # tier each unit came from (b"h", b"w", b"c")
     complete: bool = True  # False when the budget, not a miss, ended the reply
     error: ErrorInfo | None = None

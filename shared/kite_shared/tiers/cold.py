@@ -96,8 +96,10 @@ class S3Tier(_ThreadedTier):
             raise
         return reply["Body"].read()
 
-    async def _put(self, key: BlockKey, data: bytes, pinned: bool) -> None:
-        await self._run(self._s3.put_object, Bucket=self.bucket, Key=object_key(self.prefix, key), Body=data)
+    async def _put(self, key: BlockKey, data: bytes | memoryview, pinned: bool) -> None:
+        # botocore takes bytes or a file, not a view (a hot file's unit demoted or archived from the pool).
+        body = data if isinstance(data, bytes) else bytes(data)
+        await self._run(self._s3.put_object, Bucket=self.bucket, Key=object_key(self.prefix, key), Body=body)
 
     async def _delete(self, keys: list[BlockKey]) -> int:
         return await self._run(self._delete_sync, keys)

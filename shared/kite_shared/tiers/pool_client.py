@@ -58,11 +58,13 @@ class PoolClient:
         return decode_or_log(PoolLookupReply.decode, reply, log, "bad pool lookup reply")
 
     async def get(self, model_fingerprint: str, block_hashes: Sequence[bytes], max_bytes: int = 0,
-                  timeout_s: float | None = None, tenant: str = ANONYMOUS_TENANT) -> list[bytes]:
-        """Verified encoded units of the leading blocks the pool has (several requests if the units do
-        not fit one reply). The caller still decodes each with recyclable_unit.decode before use.
-        On the pool's host the units come as hand-off files (kite_shared.tiers.handoff)."""
-        units: list[bytes] = []
+                  timeout_s: float | None = None, tenant: str = ANONYMOUS_TENANT
+                  ) -> list[bytes | memoryview]:
+        """Encoded units of the leading blocks the pool has (several requests if the units do not fit
+        one reply), unverified: the caller decodes each with recyclable_unit.decode before use.
+        On the pool's host the units come as mapped hand-off files (kite_shared.tiers.handoff): writable
+        memory, shared with the pool's page cache until written."""
+        units: list[bytes | memoryview] = []
         hashes = list(block_hashes)
         while len(units) < len(hashes):
             req = PoolGetRequest(model_fingerprint=model_fingerprint, block_hashes=hashes[len(units):],
@@ -76,10 +78,13 @@ class PoolClient:
                 break
             if reply.error is not None:
                 log.debug("pool get: %s", reply.error.message)
-            received = reply.units
+            received: list = list(reply.units)
             if reply.unit_files:
                 try:
-                    received = await asyncio.to_thread(kite_handoff.take_all, reply.unit_files)
+                    received = await asyncio.to_thread(kite_handoff.map_units, reply.unit_files,
+                                                       remove=not reply.files_lent)
+                except kite_handoff.FilesGone:
+                    break  # evicted from the pool's hot tier since the reply: a miss from here on
                 except OSError as exc:
                     # Same boot id, another mount namespace (a container without the pool's folder):
                     # inline from now on, and ask again for these.
@@ -88,7 +93,7 @@ class PoolClient:
                     self.handoff = False
                     continue
             units.extend(received)
-            if reply.complete or not received:
+            if not received or len(received) < len(reply.unit_files or reply.units) or reply.complete:
                 break
         return units
 

@@ -2,14 +2,16 @@
 the last write or hit.
 
 Keys: see kite_shared.tiers.keys (kite:ru:v2:<model_tag>:<tenant_tag>:<block_hash_hex>, no hash tags).
-A hit refreshes the expiry with `EXPIRE key ttl XX` in the same round trip as the GET: XX leaves pinned
-blocks (stored without expiry, via PERSIST) pinned, so readers need not know which blocks are pinned.
+A hit refreshes the expiry with `EXPIRE key ttl XX`, in the same round trip as a single GET, after the
+reply for a batch (`_read_batches`: MGETs, then the refresh as a task of its own): XX leaves pinned blocks
+(stored without expiry, via PERSIST) pinned, so readers need not know which blocks are pinned.
 Requires Redis >= 7.
 
 Redis Cluster (KITE_REDIS_CLUSTER, `cluster=True`): the URL names one seed node; redis-py's
 `RedisCluster` discovers the others and routes every key to the primary owning its slot. Every operation
-touches one key (or one key's pipeline: GET+EXPIRE, PERSIST+EXISTS), except UNLINK of many keys, which
-redis-py's cluster client splits into one UNLINK per slot (pipelined per node), and listing: SCAN only
+touches one key (or one key's pipeline: GET+EXPIRE, PERSIST+EXISTS), except UNLINK and MGET of many keys,
+which redis-py's cluster client splits into one command per slot (pipelined per node; `mget_nonatomic`
+for MGET, since a cluster refuses one MGET across slots), and listing: SCAN only
 walks the node it is sent to, so `_list_page` scans the primaries one after the other with a cursor of
 (primaries at the start, index of the one being scanned, its SCAN cursor). A listing fails (the tier's
 `TierUnavailable`) rather than silently skip keys if the set of primaries changes under it.
@@ -17,8 +19,9 @@ walks the node it is sent to, so `_list_page` scans the primaries one after the 
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Any, Awaitable, Callable, NamedTuple, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, NamedTuple, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
@@ -30,6 +33,8 @@ from kite_shared.tiers.keys import BlockKey, parse_redis_key, redis_key, redis_p
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
+# Keys per MGET of a batched read: 16 SmolLM2 blocks are 5.9 MB; a part is verified while the next is read.
+READ_BATCH_KEYS = 16
 
 
 class _ClusterCursor(NamedTuple):
@@ -55,12 +60,15 @@ class RedisTier(RemoteTier):
         # The tier's own timeout and backoff decide; redis-py's retries would only stretch a failure.
         # Cluster: the URL is a seed node (db 0 only); max_connections is per node; MOVED/ASK redirects
         # are still followed (they are routing, not retries).
+        self._refreshing: set[asyncio.Task] = set()  # expiry refreshes after batched reads (_read_batches)
         client_cls = RedisCluster if cluster else aioredis.Redis
         self._redis: aioredis.Redis | RedisCluster = client_cls.from_url(
             url, socket_timeout=max(timeout_s, 1.0), socket_connect_timeout=max(timeout_s, 0.5),
             retry=Retry(NoBackoff(), 0), max_connections=max_connections)
 
     async def close(self) -> None:
+        # Let the expiry refreshes in flight finish (each bounded by the tier's timeout) on the connection.
+        await asyncio.gather(*self._refreshing, return_exceptions=True)
         await self._redis.aclose()
 
     async def _op(self, what: str, fn: Callable[[], Awaitable[R]], *args: Any, **kwargs: Any) -> R:
@@ -83,15 +91,42 @@ class RedisTier(RemoteTier):
             data, _ = await pipe.execute()
         return data
 
-    async def _get_many(self, keys: list[BlockKey]) -> list[bytes | None]:
-        """One pipelined round trip (GET + EXPIRE XX per key); on a cluster, redis-py splits it by node."""
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for key in keys:
-                name = redis_key(key)
-                pipe.get(name)
-                pipe.expire(name, self.ttl_s, xx=True)
-            replies = await pipe.execute()
-        return replies[::2]
+    async def _read_batches(self, keys: list[BlockKey]) -> AsyncIterator[tuple[int, list[bytes | None]]]:
+        """MGETs of READ_BATCH_KEYS keys, one after the other on one connection (on a cluster, redis-py's
+        `mget_nonatomic`: one MGET per slot, pipelined per node), each part handed to the caller (who
+        verifies it on another thread) before the next is asked for; then the hits' expiry is refreshed
+        off the reader's path (`_refresh_later`). Measured on this machine, 128 blocks of 369 KB, verified:
+        one GET + EXPIRE pipeline ran at 0.71x one bare MGET of all the keys (256 commands' framing and
+        replies cost more than the bytes), one MGET verified after at 0.89x, MGETs of 16 with the parts
+        verified meanwhile at 1.3x (a 47 MB reply is slower to receive and parse than eight of 6 MB)."""
+        names = [redis_key(key) for key in keys]
+        hits: list[str] = []
+        try:
+            for start in range(0, len(names), READ_BATCH_KEYS):
+                part = names[start:start + READ_BATCH_KEYS]
+                if isinstance(self._redis, RedisCluster):
+                    values = await self._redis.mget_nonatomic(part)
+                else:
+                    values = await self._redis.mget(part)
+                hits.extend(name for name, value in zip(part, values) if value is not None)
+                yield start, values
+        finally:
+            if hits:
+                self._refresh_later(hits)
+
+    def _refresh_later(self, names: list[str]) -> None:
+        """Reset these keys' expiry to the TTL (XX: pinned keys, without expiry, stay so) in one pipeline,
+        as a task of its own. A refresh that fails is logged and marks the tier down like any operation;
+        a refresh lost to a crash costs the block at most one TTL of life."""
+        async def pipelined() -> None:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for name in names:
+                    pipe.expire(name, self.ttl_s, xx=True)
+                await pipe.execute()
+
+        task = asyncio.create_task(self._op("refresh expiry", pipelined, None))
+        self._refreshing.add(task)  # a reference until done: the loop keeps only weak ones
+        task.add_done_callback(self._refreshing.discard)
 
     async def _put(self, key: BlockKey, data: bytes, pinned: bool) -> None:
         await self._redis.set(redis_key(key), data, ex=None if pinned else self.ttl_s)
