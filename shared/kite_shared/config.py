@@ -191,9 +191,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KITE_POOL_HOT_BYTES", int, "2147483648", RU_POOL,
             "Byte budget of the ru-pool's in-memory hot tier (LRU).", minimum=0),
     Setting("KITE_POOL_HANDOFF_DIR", str, "/dev/shm/kite-pool", RU_POOL,
-            "Memory-backed folder where the ru-pool hands blocks to readers on its own host as files, "
-            "instead of inside NATS replies (about 10x faster; readers elsewhere get them inline). "
-            "Empty: always inline."),
+            "Memory-backed folder (a tmpfs) where the ru-pool keeps its hot tier, one file per block, "
+            "which readers on its own host map instead of getting the blocks inside NATS replies (about "
+            "8x faster; readers elsewhere get them inline). It must hold KITE_POOL_HOT_BYTES: blocks the "
+            "folder cannot take stay in the pool's memory and are copied to readers. Empty: hot tier in "
+            "memory, always inline."),
     Setting("KITE_POOL_ARCHIVE_AFTER_S", float, "604800", RU_POOL,
             "Warm blocks not hit for this many seconds are moved to the cold tier (never later than "
             "just before KITE_WARM_TTL_S would expire them).", minimum=0.1),
