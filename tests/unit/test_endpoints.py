@@ -143,3 +143,67 @@ def test_the_interval_can_be_a_setting_read_every_round():
 
     asyncio.run(scenario())
     assert len(stamps) == 4  # the fourth interval (10 s) had not passed
+
+
+def test_without_tracing_and_trace_context_no_span_is_made_but_a_callers_trace_still_continues(monkeypatch):
+    """Tracing off (no TracerProvider): a message without headers gets no span at all (nothing to record
+    or pass on: the cheap path), while one carrying a traceparent still runs inside the caller's trace,
+    so log lines and onward messages keep its trace id."""
+    from opentelemetry import trace
+
+    from kite_shared import tracing
+
+    monkeypatch.setattr(tracing, "tracing_active", lambda: False)
+    made = []
+    real_start = tracing.start_span_from_headers
+    monkeypatch.setattr(tracing, "start_span_from_headers",
+                        lambda *a, **kw: made.append(a) or real_start(*a, **kw))
+    seen = []
+
+    async def handle(cancel: Cancel) -> Admission:
+        seen.append(tracing.current_trace_id())
+        return Admission(accepted=True)
+
+    ep = Endpoint("t.span", Cancel.decode, handle, refuse=refuse, span="kite.test.span")
+    assert asyncio.run(ep.answer(Cancel(request_id="r").encode())).accepted
+    assert made == [] and seen == [""]
+
+    trace_id = 0x0123456789abcdef0123456789abcdef
+    caller = trace.NonRecordingSpan(trace.SpanContext(trace_id, 0x42, is_remote=False,
+                                                      trace_flags=trace.TraceFlags(1)))
+    headers = tracing.headers_with_context(caller)
+    assert "traceparent" in headers
+    assert asyncio.run(ep.answer(Cancel(request_id="r").encode(), headers)).accepted
+    assert len(made) == 1 and seen[1] == format(trace_id, "032x")
+
+
+def test_outcomes_are_counted_per_endpoint_and_outcome_message_after_message():
+    async def handle(cancel: Cancel) -> Admission:
+        if cancel.request_id == "no":
+            raise Refusal(ErrorInfo(code="not_found", message="no such request"))
+        return Admission(accepted=True)
+
+    ep = Endpoint("t.counts", Cancel.decode, handle, refuse=refuse)
+    other = Endpoint("t.counts.other", Cancel.decode, handle, refuse=refuse)
+    for request_id in ("a", "no", "b", "no", "c"):
+        asyncio.run(ep.answer(Cancel(request_id=request_id).encode()))
+    asyncio.run(other.answer(Cancel(request_id="a").encode()))
+    assert (count("t.counts", "ok"), count("t.counts", "not_found"), count("t.counts.other", "ok")) == (3, 2, 1)
+
+
+def test_the_request_context_comes_from_fields_or_properties_and_raw_payloads_have_none():
+    from kite_shared.endpoints import _set_request_context
+
+    class WithProperty(PoolAdminRequest):
+        @property
+        def request_id(self) -> str:
+            return f"admin-{self.op}"
+
+    async def scenario(request: object) -> tuple[str, str]:
+        _set_request_context(request)
+        return request_id_var.get(), tenant_var.get()
+
+    assert asyncio.run(scenario(WithProperty(op="stats", tenant="acme"))) == ("admin-stats", "acme")
+    assert asyncio.run(scenario(PoolAdminRequest(op="stats"))) == ("", "")  # tenant "": left unset
+    assert asyncio.run(scenario(Cancel(request_id="r9"))) == ("r9", "")
+    assert asyncio.run(scenario(b"a raw unit")) == ("", "")
