@@ -12,7 +12,8 @@ checksum, HMAC under the cluster key, block hash, model and tenant (`recyclable_
 | path | what a worker does | floor |
 |---|---|---|
 | hot, same host | `PoolClient.get`: one NATS request, the reply lends the pool's hot files, the worker maps them | one memcpy of the same bytes |
-| hot, over NATS | the same, units inline in the reply (a worker on another host) | the same memcpy |
+| hot, another host | the same request; the reply carries a ticket, the worker reads the units from the pool's block stream (TCP, loopback here) | the same memcpy |
+| hot, over NATS | the same, units inline in the reply (the fallback when the stream is off or unreachable) | the same memcpy |
 | warm, direct | `RedisTier.get_units`: MGETs of 16 keys, each part verified on a thread while the next is read | one raw MGET of all the keys (redis-py + hiredis), nothing verified; and the same MGETs of 16, nothing verified |
 | cold S3, direct | `S3Tier.get_unit` for every block at once (as the worker's loader) | raw `get_object` + read of the same objects, same threads, nothing verified |
 | cold folder, direct | `LocalDirTier.get_unit` for every block at once | raw reads of the same files |
@@ -127,7 +128,8 @@ async def main() -> None:
             except Exception:
                 await asyncio.sleep(0.1)
         lent = PoolClient(nc, get_timeout_s=10.0)
-        inline = PoolClient(nc, get_timeout_s=10.0, handoff=False)
+        inline = PoolClient(nc, get_timeout_s=10.0, handoff=False, stream=False)
+        streamed = PoolClient(nc, get_timeout_s=10.0, handoff=False)  # a worker on another host
         for _, data in chain_hot:
             await lent.put(data)
         await nc.flush()
@@ -153,6 +155,9 @@ async def main() -> None:
 
         async def hot_inline() -> int:
             return verify_all(await inline.get(fp_hot, hashes_hot), hashes_hot, fp_hot, key)
+
+        async def hot_streamed() -> int:
+            return verify_all(await streamed.get(fp_hot, hashes_hot), hashes_hot, fp_hot, key)
 
         async def memcpy() -> int:
             return len([bytearray(d) for d in payloads])
@@ -192,12 +197,12 @@ async def main() -> None:
             return verify_all(payloads, hashes_hot, fp_hot, key)
 
         pairs = {name: (Rounds(total), Rounds(total))
-                 for name in ("hot", "hot_inline", "warm", "warm_parts", "s3", "local")}
+                 for name in ("hot", "hot_stream", "hot_inline", "warm", "warm_parts", "s3", "local")}
         verification = Rounds(total)
-        floors = {"hot": memcpy, "hot_inline": memcpy, "warm": warm_floor, "warm_parts": warm_floor_parts,
-                  "s3": s3_floor, "local": local_floor}
-        paths = {"hot": hot_lent, "hot_inline": hot_inline, "warm": warm_path, "warm_parts": warm_path,
-                 "s3": s3_path, "local": local_path}
+        floors = {"hot": memcpy, "hot_stream": memcpy, "hot_inline": memcpy, "warm": warm_floor,
+                  "warm_parts": warm_floor_parts, "s3": s3_floor, "local": local_floor}
+        paths = {"hot": hot_lent, "hot_stream": hot_streamed, "hot_inline": hot_inline, "warm": warm_path,
+                 "warm_parts": warm_path, "s3": s3_path, "local": local_path}
         for name in paths:  # one unmeasured round each: connections, page cache, the pool's first replies
             await paths[name]()
             await floors[name]()
@@ -210,7 +215,8 @@ async def main() -> None:
         rows = [
             ("hot, same host (lent hot files, mapped)", "hot", "memcpy of the same bytes",
              f">= {HOT_TARGET_MB_S:,.0f} MB/s"),
-            ("hot, over NATS (inline reply)", "hot_inline", "memcpy of the same bytes", "(cross-host fallback)"),
+            ("hot, another host: block stream (TCP)", "hot_stream", "memcpy of the same bytes", "(cross-host)"),
+            ("hot, over NATS (inline reply)", "hot_inline", "memcpy of the same bytes", "(fallback)"),
             ("warm, direct (batched MGETs)", "warm", "one raw MGET (hiredis)", f">= {RATIO_TARGET}x floor"),
             ("warm, direct (batched MGETs)", "warm_parts", f"raw MGETs of {READ_BATCH_KEYS} keys", "(same commands)"),
             ("cold S3, direct (concurrent GETs)", "s3", "raw GETs, 16 threads", f">= {RATIO_TARGET}x floor"),

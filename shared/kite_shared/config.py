@@ -196,6 +196,17 @@ SETTINGS: tuple[Setting, ...] = (
             "8x faster; readers elsewhere get them inline). It must hold KITE_POOL_HOT_BYTES: blocks the "
             "folder cannot take stay in the pool's memory and are copied to readers. Empty: hot tier in "
             "memory, always inline."),
+    Setting("KITE_POOL_DATA_LISTEN", str, "0.0.0.0:0", RU_POOL,
+            "host:port where the ru-pool streams blocks to readers on other hosts over TCP, outside NATS "
+            "(kite_shared.tiers.block_stream; port 0: any free one). Empty: readers elsewhere get blocks "
+            "inside NATS replies."),
+    Setting("KITE_POOL_DATA_ADVERTISE", str, "", RU_POOL,
+            "host:port readers connect to for the block stream; empty: this host's address on the route "
+            "to the NATS server, and the bound port."),
+    Setting("KITE_POOL_DATA_TLS_CERT", str, "", RU_POOL,
+            "Certificate (PEM) for TLS on the block stream (with KITE_POOL_DATA_TLS_KEY); readers verify it "
+            "with KITE_NATS_TLS_CA, or the system CAs. Empty: plain TCP (every unit still carries its HMAC)."),
+    Setting("KITE_POOL_DATA_TLS_KEY", str, "", RU_POOL, "Private key of KITE_POOL_DATA_TLS_CERT."),
     Setting("KITE_POOL_ARCHIVE_AFTER_S", float, "604800", RU_POOL,
             "Warm blocks not hit for this many seconds are moved to the cold tier (never later than "
             "just before KITE_WARM_TTL_S would expire them).", minimum=0.1),
@@ -525,6 +536,10 @@ class WorkerConfig:
 class RuPoolConfig:
     hot_bytes: int = env("KITE_POOL_HOT_BYTES")
     handoff_dir: str = env("KITE_POOL_HANDOFF_DIR")
+    data_listen: str = env("KITE_POOL_DATA_LISTEN")
+    data_advertise: str = env("KITE_POOL_DATA_ADVERTISE")
+    data_tls_cert: str = env("KITE_POOL_DATA_TLS_CERT")
+    data_tls_key: str = env("KITE_POOL_DATA_TLS_KEY")
     tenant_quota_bytes: int = env("KITE_POOL_TENANT_QUOTA_BYTES")
     tenant_quotas: str = env("KITE_POOL_TENANT_QUOTAS")
     metrics_port: int = env("KITE_METRICS_PORT")
@@ -535,6 +550,12 @@ class RuPoolConfig:
 
     def __post_init__(self) -> None:
         self.tenant_quota_overrides()  # fail at startup, not on the first put
+        if bool(self.data_tls_cert) != bool(self.data_tls_key):
+            raise ConfigError("KITE_POOL_DATA_TLS_CERT and KITE_POOL_DATA_TLS_KEY go together")
+        for name, value in (("KITE_POOL_DATA_LISTEN", self.data_listen),
+                            ("KITE_POOL_DATA_ADVERTISE", self.data_advertise)):
+            if value and not value.rpartition(":")[2].isdigit():
+                raise ConfigError(f"{name}={value!r}: expected host:port")
 
     def tenant_quota_overrides(self) -> dict[str, int]:
         """KITE_POOL_TENANT_QUOTAS as {tenant name: bytes}."""

@@ -200,7 +200,7 @@ async def test_same_host_get_lends_the_hot_files_and_writes_nothing(pools, clien
 
     nc = await nats.connect(env.nats_url)
     try:
-        inline = PoolClient(nc, handoff=False)
+        inline = PoolClient(nc, handoff=False, stream=False)
         assert await inline.get(fp, hashes) == [d for _, d in chain]  # bytes in the reply
     finally:
         await nc.close()
@@ -263,6 +263,44 @@ async def test_a_torn_reply_file_is_a_miss_from_that_block_on(pools, client):
     loaded = await loader.load([h for h, _ in chain], num_local=0)
     assert len(loaded) == 1 and loader.num_rejected == 1
     assert list(pool.handoff.path.iterdir()) == []  # the reader removed every reply file anyway
+
+
+async def test_a_reader_on_another_host_takes_the_units_from_the_block_stream(pools, client, env):
+    pool = await pools.start()
+    assert pool.stream is not None and pool.stream.address  # on by default (KITE_POOL_DATA_LISTEN)
+    fp = new_fp()
+    chain = make_chain(fp, 5)
+    await put_chain(client, pool, chain)
+    nc = await nats.connect(env.nats_url)
+    try:
+        elsewhere = PoolClient(nc, handoff=False)  # as a worker on another host: no files to map
+        assert await elsewhere.get(fp, [h for h, _ in chain]) == [d for _, d in chain]
+        assert pool.stream.num_transfers == 1 and pool.stream.num_bytes_sent == 5 * UNIT_BYTES
+        assert pool.stream.num_offers_held == 0
+        loader = same_host_loader(elsewhere, fp)
+        assert len(await loader.load([h for h, _ in chain], num_local=0)) == 5 and loader.num_rejected == 0
+    finally:
+        await nc.close()
+
+
+async def test_an_unreachable_block_stream_means_inline_replies_for_a_while(pools, client, env):
+    pool = await pools.start()
+    fp = new_fp()
+    chain = make_chain(fp, 3)
+    await put_chain(client, pool, chain)
+    probe = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)  # a port nobody listens on
+    closed_port = probe.sockets[0].getsockname()[1]
+    probe.close()
+    await probe.wait_closed()
+    pool.stream.address = f"127.0.0.1:{closed_port}"  # as behind a firewall
+    nc = await nats.connect(env.nats_url)
+    try:
+        elsewhere = PoolClient(nc, handoff=False)
+        assert await elsewhere.get(fp, [h for h, _ in chain]) == [d for _, d in chain]  # asked again inline
+        assert elsewhere._stream_retry_at > time.monotonic() + 30
+        assert pool.stream.num_transfers == 0
+    finally:
+        await nc.close()
 
 
 async def test_a_reader_that_cannot_see_the_handoff_folder_falls_back_to_inline_replies(pools, client):

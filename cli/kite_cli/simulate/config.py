@@ -46,7 +46,7 @@ class CostModelConfig:
     # bench_pool_lookup.py before issue 15's data plane: hot blocks through the pool's same-host hand-off,
     # verified: 231-241 MB/s; warm read directly from Redis, 8 concurrent GETs, verified: 381-425 MB/s.
     # docs/architecture.md's simulated figures were computed with these. bench_data_plane.py measures
-    # 2,665-3,177 (hot, same host) and 1,134-1,607 MB/s (warm) since: --hot-load-mb-s / --warm-load-mb-s.
+    # 2,446-3,177 (hot, same host) and 1,134-1,607 MB/s (warm) since: --hot-load-mb-s / --warm-load-mb-s.
     hot_load_mb_s: float = 236.0
     warm_load_mb_s: float = 403.0
 

@@ -1,5 +1,6 @@
 """The ru-pool's handler table: each NATS subject it serves, as a kite_shared.endpoints.Endpoint (decode
--> core or tier I/O -> reply), and the hand-off of get replies through files on the same host.
+-> core or tier I/O -> reply), and the form of a get's reply: files on the same host, a ticket for the
+block stream for another host that asks for it, else the units inline.
 
 Boundary: the only module that knows subjects and messages. It calls the pure core (core.PoolCore) for
 lookups and worker events, tier_io.TierIO for puts and gets, admin.PoolAdmin for admin requests and
@@ -41,6 +42,7 @@ from kite_shared.messages import (
     PoolAdminRequest, PoolGetReply, PoolGetRequest, PoolLookupReply, PoolLookupRequest,
 )
 from kite_shared.tiers import metrics
+from kite_shared.tiers.block_stream import BlockStreamServer
 from kite_shared.tiers.handoff import HandoffFolder
 from kite_shared.tiers.keys import model_tag
 from kite_ru_pool.admin import PoolAdmin
@@ -71,7 +73,7 @@ class TimedEndpoint(Endpoint):
 class PoolHandlers:
     def __init__(self, core: PoolCore, io: TierIO, admin: PoolAdmin, maintenance: Maintenance, nc: NATS,
                  handoff: HandoffFolder | None, host_id: str, clock: Callable[[], float],
-                 instance_id: str = "ru-pool") -> None:
+                 instance_id: str = "ru-pool", stream: BlockStreamServer | None = None) -> None:
         self.instance_id = instance_id  # names this replica's own subjects (subjects.pool_replica)
         self.core = core
         self.io = io
@@ -80,6 +82,8 @@ class PoolHandlers:
         self.nc = nc
         self.handoff = handoff  # same-host readers get units as files here (kite_shared.tiers.handoff)
         self.host_id = host_id
+        # readers on other hosts take their units from this TCP stream (kite_shared.tiers.block_stream)
+        self.stream = stream
         self.clock = clock
 
     def endpoints(self) -> list[Endpoint]:
@@ -125,14 +129,19 @@ class PoolHandlers:
 
     async def get(self, req: PoolGetRequest) -> PoolGetReply:
         handoff = self.handoff is not None and req.host_id == self.host_id
+        stream = not handoff and req.stream and self.stream is not None
         inline_budget = self.nc.max_payload - GET_REPLY_OVERHEAD_BYTES
-        budget = HANDOFF_REPLY_MAX_BYTES if handoff else inline_budget
+        budget = HANDOFF_REPLY_MAX_BYTES if handoff or stream else inline_budget
         if req.max_bytes > 0:
             budget = min(budget, req.max_bytes)
         found = await self.io.get_blocks(req.model_fingerprint, req.block_hashes, budget,
                                          security.tenant_tag(req.tenant))
         if handoff and found.units:
             return await self._hand_off(found, min(budget, inline_budget))
+        if stream and found.units:
+            return PoolGetReply(stream_address=self.stream.address, stream_ticket=self.stream.offer(found.units),
+                                stream_tls=self.stream.tls, tiers=found.tiers, complete=found.complete,
+                                error=found.error)
         return _inline(found, len(found.units))
 
     async def _hand_off(self, found: FoundBlocks, inline_budget: int) -> PoolGetReply:

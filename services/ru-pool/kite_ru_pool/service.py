@@ -28,16 +28,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
+from pathlib import Path
 from typing import Callable
+from urllib.parse import urlsplit
 
 from nats.aio.client import Client as NATS
 
 from kite_shared import security, subjects
-from kite_shared.config import CommonConfig, RuPoolConfig, TierConfig, load
+from kite_shared.config import CommonConfig, ConfigError, RuPoolConfig, TierConfig, load
 from kite_shared.messages import PoolAdminReply
 from kite_shared.service import ServiceRuntime
 from kite_shared.tiers import handoff
+from kite_shared.tiers.block_stream import BlockStreamServer
 from kite_shared.tiers.client import TierClient
 from kite_ru_pool.admin import PoolAdmin
 from kite_ru_pool.background import BackgroundTasks
@@ -82,6 +86,8 @@ class PoolService:
         self.host_id = handoff.host_id()
         self.handoff = handoff.open_folder(cfg.handoff_dir)
         self.hot_files = handoff.HotFiles(self.handoff) if self.handoff is not None else None
+        # Readers on other hosts take the units of their gets from a TCP stream (tiers.block_stream).
+        self.stream = BlockStreamServer() if cfg.data_listen else None
         self.background = BackgroundTasks()
         self.changes = IndexChangeLog()  # what this replica changes in the shared tiers, for the others
         self.io = TierIO(self.core, self.tiers, self.ru_key, clock, self.background, self.changes,
@@ -94,7 +100,7 @@ class PoolService:
         self.admin = PoolAdmin(self.core, self.io, self.maintenance,
                                lambda: {**self.replicas.counters(), "serving": int(self.serving)})
         self.handlers = PoolHandlers(self.core, self.io, self.admin, self.maintenance, nc, self.handoff,
-                                     self.host_id, clock, instance_id)
+                                     self.host_id, clock, instance_id, self.stream)
         self._subs: list = []
         self._tasks: list[asyncio.Task] = []
         self._join: asyncio.Task | None = None
@@ -114,6 +120,9 @@ class PoolService:
         owner's to close."""
         rt = rt or _runtime_over(self.nc, self.instance_id)
         await self.tiers.start()
+        if self.stream is not None:
+            await self.stream.start(self.cfg.data_listen, self.cfg.data_advertise, _nats_host(rt.common.nats_url),
+                                    _server_tls(self.cfg))
         self.maintenance.start_rebuild()
         # Worker events wait aside until the worker caches of a running replica are in (replicas.py).
         self.core.hold_worker_events()
@@ -179,6 +188,8 @@ class PoolService:
         except Exception as exc:  # the bus is gone: the others see a gap, the lease ages out
             log.warning("could not tell the other replicas goodbye: %r", exc)
         await self.tiers.close()
+        if self.stream is not None:
+            await self.stream.stop()
         if self.handoff is not None:
             self.handoff.remove()
 
@@ -196,6 +207,23 @@ class PoolService:
 
     async def sweep_once(self) -> None:
         await self.maintenance.sweep_once()
+
+
+def _nats_host(url: str) -> str:
+    """The first NATS server's host: the block stream advertises this host's address on the route to it."""
+    return urlsplit(url.split(",")[0].strip()).hostname or ""
+
+
+def _server_tls(cfg: RuPoolConfig) -> ssl.SSLContext | None:
+    if not cfg.data_tls_cert:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(str(Path(cfg.data_tls_cert).expanduser()), str(Path(cfg.data_tls_key).expanduser()))
+    except OSError as exc:  # ssl.SSLError is an OSError too
+        raise ConfigError(f"KITE_POOL_DATA_TLS_CERT={cfg.data_tls_cert!r} / KITE_POOL_DATA_TLS_KEY: cannot load "
+                          f"the certificate and key: {exc}") from None
+    return context
 
 
 def _runtime_over(nc: NATS, instance_id: str) -> ServiceRuntime:

@@ -36,7 +36,7 @@ from kite_shared.endpoints import run_every
 from kite_shared.fingerprint import BlockHash
 from kite_shared.recyclable_unit import TORCH_DTYPE_TO_CODEC, RecyclableUnit
 from kite_shared.security import ru_key, tenant_tag
-from kite_shared.service import connect_nats
+from kite_shared.service import connect_nats, nats_auth_options
 from kite_shared.tiers.client import TierClient
 from kite_shared.tiers.pool_client import PoolClient
 from kite_worker.kv_plan import SavedBlockInfo
@@ -130,7 +130,8 @@ class KVAgent:
     async def _connect(self) -> None:
         common = load(CommonConfig)
         nc = await connect_nats(common.nats_url, f"{self.options.worker_id}-kv", common)
-        self.pool = PoolClient(nc, worker_id=self.options.worker_id)
+        self.pool = PoolClient(nc, worker_id=self.options.worker_id,
+                               stream_ssl=nats_auth_options(common).get("tls"))  # verified like NATS
         tier_client = None
         if self.options.pool_read:
             tier_client = TierClient.from_config(load(TierConfig))

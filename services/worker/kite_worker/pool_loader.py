@@ -57,11 +57,12 @@ class CostModel:
     block_bytes: int
     prefill_seconds_per_token: float = 0.003  # replaced by the engine's measurement
     # Seeds, replaced by this worker's own fetches: bench/bench_data_plane.py on the 2-core CI machine
-    # (2026-12-01, verified reads of 128 blocks), rounded down. Hot: 290-364 MB/s inline over NATS, the
-    # path of a worker on another host (one on the pool's host maps the pool's files at 2,665-3,177 MB/s
-    # and learns it on its first fetch); warm: 1,134-1,607 MB/s; cold: 108-151 MB/s from an S3 server.
+    # (2026-12-01, verified reads of 128 blocks), rounded down. Hot: 820-1,445 MB/s on the pool's block
+    # stream, the path of a worker on another host (one on the pool's host maps the pool's files at
+    # 2,446-3,177 MB/s; one that can reach neither gets 290-364 inline: each learns its own on its first
+    # fetch); warm: 1,134-1,607 MB/s; cold: 108-151 MB/s from an S3 server.
     tiers: dict[str, TierEstimate] = field(default_factory=lambda: {
-        "h": TierEstimate(latency_s=0.002, bytes_per_s=250e6),
+        "h": TierEstimate(latency_s=0.002, bytes_per_s=800e6),
         "w": TierEstimate(latency_s=0.001, bytes_per_s=1000e6),
         "c": TierEstimate(latency_s=0.010, bytes_per_s=100e6),
     })

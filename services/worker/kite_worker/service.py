@@ -35,7 +35,7 @@ from kite_shared.config import TierConfig, WorkerConfig, load
 from kite_shared.endpoints import Endpoint, Refusal
 from kite_shared.messages import Admission, Cancel, ErrorInfo, Message, StreamEnd, StreamError, TokenizedRequest
 from kite_shared.security import ru_key
-from kite_shared.service import ServiceRuntime
+from kite_shared.service import ServiceRuntime, nats_auth_options
 from kite_shared.tiers.client import TierClient
 from kite_shared.tiers.pool_client import PoolClient
 from kite_shared.tracing import tracer, use_span
@@ -78,7 +78,8 @@ class WorkerService:
         self.loop = asyncio.get_running_loop()
         self.on_vllm = isinstance(loaded.engine, VllmEngine)
         self.writes = WritePolicyFilter(cfg.write_policy)
-        self.pool = PoolClient(rt.nc, worker_id=rt.instance_id)
+        # A TLS block stream is verified like NATS: with the cluster's CA (KITE_NATS_TLS_CA).
+        self.pool = PoolClient(rt.nc, worker_id=rt.instance_id, stream_ssl=nats_auth_options(rt.common).get("tls"))
         self.outbox = PoolOutbox(self.pool, loaded.identity.fingerprint_hex, self.writes, cfg.pool_write,
                                  self.loop)
         if self.on_vllm:

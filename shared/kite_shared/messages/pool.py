@@ -94,12 +94,16 @@ class PoolGetRequest(Message):
     # The asker's kite_shared.tiers.handoff.host_id(), "" for inline bytes: when it is the pool's host and
     # the pool has a hand-off folder, the reply names files there instead of carrying the units.
     host_id: str = ""
+    # The asker can read the units from the pool's block stream (kite_shared.tiers.block_stream): when the
+    # pool has one (and no hand-off applies), the reply carries a ticket instead of the units.
+    stream: bool = False
 
 
 class PoolGetReply(Message):
     """The leading blocks found, each a verified encoded recyclable unit; it stops at the first miss or
     when the next unit would exceed the byte budget (ask again from the number received for the rest).
-    The units come inline (`units`) or, same-host, as hand-off files (`unit_files`), never both."""
+    The units come inline (`units`), same-host as hand-off files (`unit_files`), or from another host on
+    the pool's block stream (`stream_ticket`): one of the three."""
 
     KIND: ClassVar[str] = "pool_get_reply"
     units: list[bytes] = Field(default_factory=list)
@@ -108,6 +112,11 @@ class PoolGetReply(Message):
     # True: the files are the pool's hot files, lent: read them, leave them (one may be gone by then: the
     # unit left hot, a miss from there on). False: written for this reply; the asker removes them.
     files_lent: bool = False
+    # The units wait on the pool's block stream: connect to stream_address ("host:port"; TLS when
+    # stream_tls), send stream_ticket (16 bytes, one transfer, ~10 s) and read them.
+    stream_address: str = ""
+    stream_ticket: bytes = b""
+    stream_tls: bool = False
     tiers: bytes = b""  # tier each unit came from (b"h", b"w", b"c")
     complete: bool = True  # False when the budget, not a miss, ended the reply
     error: ErrorInfo | None = None

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import ssl
+import time
 from typing import Sequence
 
 from nats.aio.client import Client as NATS
@@ -16,6 +18,7 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 
 from kite_shared import subjects
 from kite_shared.security import ANONYMOUS_TENANT
+from kite_shared.tiers import block_stream as kite_block_stream
 from kite_shared.tiers import handoff as kite_handoff
 from kite_shared.tracing import headers_with_context
 from kite_shared.messages import (
@@ -25,13 +28,21 @@ from kite_shared.messages import (
 
 log = logging.getLogger(__name__)
 
+STREAM_RETRY_S = 60.0  # after the pool's block stream could not be reached, inline replies this long
+
 
 class PoolClient:
     def __init__(self, nc: NATS, worker_id: str = "", lookup_timeout_s: float = 0.1,
-                 get_timeout_s: float = 2.0, admin_timeout_s: float = 30.0, handoff: bool = True) -> None:
-        """`handoff`: accept same-host hand-off files (off: units always inline, as across hosts)."""
+                 get_timeout_s: float = 2.0, admin_timeout_s: float = 30.0, handoff: bool = True,
+                 stream: bool = True, stream_ssl: ssl.SSLContext | None = None) -> None:
+        """`handoff`: accept same-host hand-off files. `stream`: accept the pool's block stream (TCP)
+        when the files do not apply; `stream_ssl` verifies a TLS stream (None: the system CAs). Both
+        off: units always inline in NATS replies."""
         self.nc = nc
         self.handoff = handoff
+        self.stream = stream
+        self.stream_ssl = stream_ssl
+        self._stream_retry_at = 0.0  # after a stream that could not be reached, inline until then
         self._host_id = kite_handoff.host_id()
         self.worker_id = worker_id
         self.lookup_timeout_s = lookup_timeout_s
@@ -63,13 +74,15 @@ class PoolClient:
         """Encoded units of the leading blocks the pool has (several requests if the units do not fit
         one reply), unverified: the caller decodes each with recyclable_unit.decode before use.
         On the pool's host the units come as mapped hand-off files (kite_shared.tiers.handoff): writable
-        memory, shared with the pool's page cache until written."""
+        memory, shared with the pool's page cache until written; from another host, on the pool's block
+        stream (kite_shared.tiers.block_stream) when it has one, else inline."""
         units: list[bytes | memoryview] = []
         hashes = list(block_hashes)
         while len(units) < len(hashes):
             req = PoolGetRequest(model_fingerprint=model_fingerprint, block_hashes=hashes[len(units):],
                                  max_bytes=max_bytes, tenant=tenant,
-                                 host_id=self._host_id if self.handoff else "")
+                                 host_id=self._host_id if self.handoff else "",
+                                 stream=self.stream and time.monotonic() >= self._stream_retry_at)
             raw = await self._request(subjects.POOL_GET, req.encode(), timeout_s or self.get_timeout_s)
             if raw is None:
                 break
@@ -92,9 +105,21 @@ class PoolClient:
                                 exc)
                     self.handoff = False
                     continue
+            elif reply.stream_ticket:
+                try:
+                    received = await asyncio.wait_for(kite_block_stream.fetch(
+                        reply.stream_address, reply.stream_ticket,
+                        (self.stream_ssl or ssl.create_default_context()) if reply.stream_tls else None),
+                        timeout_s or self.get_timeout_s)
+                except (OSError, asyncio.TimeoutError) as exc:
+                    # A firewall, or the pool gone: inline for a while, and ask again for these.
+                    log.warning("pool block stream %s unreachable (%r); inline replies for %.0f s",
+                                reply.stream_address, exc, STREAM_RETRY_S)
+                    self._stream_retry_at = time.monotonic() + STREAM_RETRY_S
+                    continue
             units.extend(received)
-            if not received or len(received) < len(reply.unit_files or reply.units) or reply.complete:
-                break
+            if len(received) < len(reply.tiers) or not received or reply.complete:
+                break  # a miss, a lent file gone, a stream cut short: the rest is computed
         return units
 
     async def block_stored(self, model_fingerprint: str, block_hashes: Sequence[bytes]) -> None:
