@@ -148,8 +148,9 @@ class PoolHandlers:
         """The units as files: the hot files that hold them when every one is in one (nothing written),
         else reply files written for the asker; inline (cut to `inline_budget`) if the folder cannot
         take them (a full tmpfs, say)."""
-        lent = [self.io.hot_files.lent_path(data) for data in found.units] if self.io.hot_files else [None]
-        if None not in lent:
+        hot_files = self.io.hot_files
+        lent = [hot_files.lent_path(data) for data in found.units] if hot_files is not None else []
+        if lent and None not in lent:
             return PoolGetReply(unit_files=lent, files_lent=True, tiers=found.tiers, complete=found.complete,
                                 error=found.error)
         try:
