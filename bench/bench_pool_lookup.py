@@ -18,7 +18,9 @@ one Redis, a cold folder; a bare NATS echo, then lookups through the `ru-pool` q
 replica, then with N (the others started in between, each with its own instance id and metrics port),
 then the echo again, each run `--seconds` long at `--rate`. It prints, side by side, each run's p50/p99,
 the pool's added latency over the echo (the mean of the two echo runs), and the lookups each replica
-answered per second (its own `stats`, asked on its own subject).
+answered per second (its own `stats`, asked on its own subject). `--paired` adds one run, with the N
+replicas, of lookups and echo requests interleaved (each at `--rate`), so that both see the same moments
+of the machine.
 """
 
 from __future__ import annotations
@@ -194,6 +196,8 @@ async def main() -> None:
                     help="KITE_POOL_SWEEP_INTERVAL_S for the pool (default: the pool's own, 30 s)")
     ap.add_argument("--replicas", type=int, default=1,
                     help="N >= 2: compare lookups through one ru-pool replica and through N (module docstring)")
+    ap.add_argument("--paired", action="store_true",
+                    help="with --replicas: also one run of lookups and echoes interleaved (bench_paired)")
     args = ap.parse_args()
     if args.replicas >= 2:
         await compare_replicas(args)
@@ -255,6 +259,49 @@ async def main() -> None:
         pool.wait(15)
         redis_srv.stop()
         nats_srv.stop()
+
+
+async def bench_paired(client: PoolClient, fp: str, hashes: list[bytes], rate: float, seconds: float) -> dict:
+    """Lookups at `rate`/s and, interleaved half an interval after each, the same request to the echo
+    responder: both kinds of request see the same moments of the machine, so the difference of their
+    p99s is not also the difference between two stretches of time (as lookup and echo runs one after
+    the other are). The machine carries twice the requests of a plain run."""
+    from kite_shared.messages import PoolLookupRequest
+    payload = PoolLookupRequest(model_fingerprint=fp, block_hashes=hashes).encode()
+    latencies: dict[str, list[float]] = {"lookup": [], "echo": []}
+    errors = {"lookup": 0, "echo": 0}
+
+    async def one(kind: str) -> None:
+        started = time.perf_counter()
+        try:
+            if kind == "echo":
+                await client.nc.request("bench.echo", payload, timeout=1.0)
+            else:
+                r = await client.lookup(fp, hashes, timeout_s=1.0)
+                if r is None or r.pool != len(hashes):
+                    raise RuntimeError("lookup failed")
+        except Exception:
+            errors[kind] += 1
+            return
+        latencies[kind].append(time.perf_counter() - started)
+
+    pending: set[asyncio.Task] = set()
+    t0 = time.perf_counter()
+    for i in range(int(rate * seconds) * 2):
+        delay = t0 + i / (2 * rate) - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        task = asyncio.create_task(one("lookup" if i % 2 == 0 else "echo"))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+    while pending:
+        await asyncio.gather(*list(pending))
+    out = {kind: {"p50": pct(v, 0.5), "p99": pct(v, 0.99), "n": len(v), "errors": errors[kind]}
+           for kind, v in latencies.items()}
+    print(f"paired  {rate:.0f} lookups/s + {rate:.0f} echoes/s interleaved, {seconds:.0f} s: "
+          + ";  ".join(f"{k} n={r['n']} errors={r['errors']} p50={r['p50'] * 1e3:.3f} ms p99={r['p99'] * 1e3:.3f} ms"
+                       for k, r in out.items()))
+    return out
 
 
 def start_replica(env: dict[str, str], name: str, metrics_port: int) -> subprocess.Popen:
@@ -338,6 +385,7 @@ async def compare_replicas(args) -> None:
             assert PoolLookupReply.decode(raw.data).pool == n, name
         await lookups(f"{args.replicas} replicas", names)
         results["echo after"] = await bench_lookup(client, fp, hashes, args.rate, args.seconds, echo=True)
+        paired = await bench_paired(client, fp, hashes, args.rate, args.seconds) if args.paired else None
 
         echo_p50 = (results["echo before"]["p50"] + results["echo after"]["p50"]) / 2
         echo_p99 = (results["echo before"]["p99"] + results["echo after"]["p99"]) / 2
@@ -352,6 +400,12 @@ async def compare_replicas(args) -> None:
             shares = ", ".join(f"{r} {v:.0f}" for r, v in per_replica.get(label, {}).items())
             print(f"{label:<14}{res['p50'] * 1e3:>9.3f}{res['p99'] * 1e3:>9.3f}{added or ' ' * 22}"
                   f"{res['errors']:>8}  {shares}")
+        if paired is not None:
+            lk, ec = paired["lookup"], paired["echo"]
+            print(f"paired, {args.replicas} replicas (lookups and echoes interleaved in one run): lookup p99 "
+                  f"{lk['p99'] * 1e3:.3f} ms, echo p99 {ec['p99'] * 1e3:.3f} ms, added p99 "
+                  f"{(lk['p99'] - ec['p99']) * 1e3:.3f} ms, added p50 {(lk['p50'] - ec['p50']) * 1e3:.3f} ms; "
+                  f"errors {lk['errors']} + {ec['errors']}")
     finally:
         await nc.close()
         echo.terminate()

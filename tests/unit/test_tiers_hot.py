@@ -1,5 +1,7 @@
 """Hot tier LRU: eviction order, byte budget, pins, event draining."""
 
+import pytest
+
 from kite_shared.tiers.hot import Eviction, HotLRU
 from kite_shared.tiers.keys import BlockKey
 
@@ -73,3 +75,19 @@ def test_delete_and_clear_are_not_evictions():
     assert lru.clear("0123456789abcdef") == 1
     assert list(lru.keys()) == [other] and lru.bytes_used == 1
     assert lru.take_events() == []
+
+
+def test_swap_replaces_only_the_very_bytes_held_and_keeps_recency():
+    lru = HotLRU(30)
+    old = bytes(b"\x01" * 10)
+    lru.put(k(1), old)
+    lru.put(k(2), b"\x02" * 10)
+    moved = memoryview(bytearray(b"\x01" * 10))  # the same unit, now in another buffer (a hot file)
+    assert lru.swap(k(1), old, moved) and lru.peek(k(1)) is moved
+    assert not lru.swap(k(1), old, moved)  # the bytes it was asked to replace are gone already
+    assert not lru.swap(k(3), old, moved)  # nothing held under that key
+    lru.put(k(3), b"\x03" * 10)
+    lru.put(k(4), b"\x04" * 10)  # evicts the least recently used: k(1), whose recency the swap kept
+    assert [e.key for e in lru.take_events()] == [k(1)] and lru.bytes_used == 30
+    with pytest.raises(ValueError):
+        lru.swap(k(2), lru.peek(k(2)), b"\x02" * 11)

@@ -81,6 +81,17 @@ class HotLRU:
         self.bytes_used += size
         return True
 
+    def swap(self, key: BlockKey, old: bytes, new: bytes) -> bool:
+        """Hold `new` (the same unit in another form: its bytes moved into a file) instead of `old`,
+        keeping its recency; only while `key` still holds that very `old` object (not a newer unit, not
+        after an eviction). Sizes must match: the budget counts them once."""
+        if len(new) != len(old):
+            raise ValueError("swap needs the same unit: the sizes differ")
+        if self._entries.get(key) is not old:
+            return False
+        self._entries[key] = new
+        return True
+
     def delete(self, key: BlockKey) -> bool:
         """Remove `key` (not an eviction: no event). Its pin, if any, stays."""
         data = self._entries.pop(key, None)
