@@ -35,9 +35,10 @@ _URL_USERINFO = re.compile(r"(\w+://)[^/\s@]+@")
 
 # Batched reads verify their units on this thread, beside the event loop: BLAKE3 releases the GIL while it
 # hashes (most of a unit's verification), so a batch's first part is checked on another core while the
-# loop receives the next. Measured on this 2-core machine, 128 warm blocks of 369 KB: MGETs of 16 keys
-# with the parts verified here ran at 1.3x one bare MGET of the whole batch, verifying on the loop after
-# that MGET at 0.89x (issue 15). One thread: the hashing is what overlaps, and it is one core's worth.
+# loop receives the next. Measured on this 2-core machine, 128 warm blocks of 369 KB (bench_data_plane.py,
+# six runs): MGETs of 16 keys with the parts verified here ran at 0.81-1.16x one bare MGET of the whole
+# batch; one MGET verified on the loop after it, at 0.64x (issue 15). One thread: the hashing is what
+# overlaps, and it is one core's worth.
 _VERIFIER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kite-verify")
 
 

@@ -95,10 +95,11 @@ class RedisTier(RemoteTier):
         """MGETs of READ_BATCH_KEYS keys, one after the other on one connection (on a cluster, redis-py's
         `mget_nonatomic`: one MGET per slot, pipelined per node), each part handed to the caller (who
         verifies it on another thread) before the next is asked for; then the hits' expiry is refreshed
-        off the reader's path (`_refresh_later`). Measured on this machine, 128 blocks of 369 KB, verified:
-        one GET + EXPIRE pipeline ran at 0.71x one bare MGET of all the keys (256 commands' framing and
-        replies cost more than the bytes), one MGET verified after at 0.89x, MGETs of 16 with the parts
-        verified meanwhile at 1.3x (a 47 MB reply is slower to receive and parse than eight of 6 MB)."""
+        off the reader's path (`_refresh_later`). Measured on this machine, 128 blocks of 369 KB, verified,
+        against one bare MGET of all the keys: one GET + EXPIRE pipeline 0.71x (256 commands' framing and
+        replies cost more than the bytes), one MGET then verification on the loop 0.64-0.89x, MGETs of 16
+        with the parts verified meanwhile 0.81-1.16x (bench_data_plane.py: a 47 MB reply is slower to
+        receive and parse than eight of 6 MB)."""
         names = [redis_key(key) for key in keys]
         hits: list[str] = []
         try:
