@@ -451,8 +451,10 @@ async def test_cold_ttl_deletes_idle_cold_blocks(pools, client, env):
     fp = new_fp()
     chain = make_chain(fp, 2)
     await put_chain(client, pool, chain)
-    await wait_for(lambda: pool.core.counters.archived == 2, what="archival")
-    await wait_for(lambda: pool.core.counters.cold_expired == 2, what="cold TTL")
+    # Generous bounds: on a loaded 2-core machine the two steps took 2.7-4.2 s together, and once more than
+    # the 5 s default (the sweeps run every 0.1 s, but the loop is shared with the test's own work).
+    await wait_for(lambda: pool.core.counters.archived == 2, timeout_s=15.0, what="archival")
+    await wait_for(lambda: pool.core.counters.cold_expired == 2, timeout_s=15.0, what="cold TTL")
     assert [s async for s in pool.cold.iter_keys()] == []
 
 
