@@ -233,6 +233,10 @@ class NatsErrorLog:
 
     async def __call__(self, exc: Exception) -> None:
         text = _scrub(str(exc) or type(exc).__name__, self._common)
+        if isinstance(exc, OSError) and self._common is not None:
+            # A socket error names the address on asyncio's loop but not on uvloop's ("[Errno 111]
+            # Connection refused"): say where the service was connecting, credentials left out.
+            text += f" (connecting to {redact_url(self._common.nats_url)})"
         self.failures += 1
         self.last = text
         now = self._clock()
