@@ -450,7 +450,12 @@ async def test_cold_ttl_deletes_idle_cold_blocks(pools, client, env):
                              tier_cfg=env.tier_cfg(cold_ttl_s=0.6, s3_endpoint=""))
     fp = new_fp()
     chain = make_chain(fp, 2)
-    await put_chain(client, pool, chain)
+    # Not put_chain: it waits until every block is in a tier at once, and here a block leaves every tier
+    # about 0.8 s after its put (archived at 0.2 s, expired 0.6 s later): on a loaded machine the wait
+    # could miss that window (it did once in CI).
+    for _, data in chain:
+        assert await client.put(data)
+    await client.nc.flush()
     # Generous bounds: on a loaded 2-core machine the two steps took 2.7-4.2 s together, and once more than
     # the 5 s default (the sweeps run every 0.1 s, but the loop is shared with the test's own work).
     await wait_for(lambda: pool.core.counters.archived == 2, timeout_s=15.0, what="archival")
