@@ -105,3 +105,16 @@ async def test_tls_is_verified_with_the_cluster_ca(tmp_path):
 def test_the_advertised_address_is_the_route_towards_the_bus():
     assert block_stream._reachable_ip("", "10.1.2.3") == "10.1.2.3"  # bound to one address: that one
     assert block_stream._reachable_ip("127.0.0.1", "0.0.0.0") == "127.0.0.1"
+
+
+async def test_silent_and_surplus_connections_are_closed(server, monkeypatch):
+    monkeypatch.setattr(block_stream, "TICKET_WAIT_S", 0.2)
+    monkeypatch.setattr(block_stream, "MAX_CONNECTIONS", 1)
+    host, port = block_stream._split(server.address)
+    _, silent = await asyncio.open_connection(host, port)  # connects, never sends a ticket
+    await asyncio.sleep(0.05)
+    assert await block_stream.fetch(server.address, server.offer(UNITS)) == []  # the one slot is taken
+    assert server.num_refused == 1
+    await asyncio.sleep(0.3)  # the silent one is dropped after TICKET_WAIT_S
+    assert await block_stream.fetch(server.address, server.offer(UNITS)) == [bytes(u) for u in UNITS]
+    silent.close()

@@ -17,7 +17,9 @@ Protocol (NATS keeps the control):
    once (the reader then has nothing: a miss, and it asks again inline).
 
 The ticket is a capability handed out only over NATS (authenticated by the cluster's NATS credentials):
-whoever cannot ask the pool cannot take a transfer. The bytes are integrity-protected as on every path
+whoever cannot ask the pool cannot take a transfer. A connection must send its ticket within
+TICKET_WAIT_S, and at most MAX_CONNECTIONS are served at once (more are closed: that get is a miss), so
+idle or surplus connections cannot pile up. The bytes are integrity-protected as on every path
 (readers verify each unit's checksum and HMAC); confidentiality needs TLS (`KITE_POOL_DATA_TLS_CERT` /
 `_KEY` on the pool; readers verify it with the NATS CA or the system's). A transfer that breaks midway is
 a shorter prefix for the reader, verified unit by unit, never a wrong block.
@@ -39,6 +41,8 @@ log = logging.getLogger(__name__)
 TICKET_BYTES = 16
 _LENGTH = struct.Struct(">I")
 MAX_UNIT_BYTES = 1 << 30  # a length above this is a broken stream, not a unit
+TICKET_WAIT_S = 2.0  # a reader sends its ticket as soon as it connects; a silent connection is dropped
+MAX_CONNECTIONS = 64  # transfers at once; more are closed at once (the reader's get is then a miss)
 
 
 @dataclass
@@ -62,6 +66,8 @@ class BlockStreamServer:
         self.num_transfers = 0
         self.num_bytes_sent = 0
         self.num_unknown_tickets = 0
+        self.num_refused = 0  # connections closed because MAX_CONNECTIONS were open
+        self._open = 0
 
     async def start(self, listen: str, advertise: str = "", route_to: str = "",
                     ssl_context: ssl.SSLContext | None = None) -> None:
@@ -93,8 +99,13 @@ class BlockStreamServer:
         return len(self._offers)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._open >= MAX_CONNECTIONS:
+            self.num_refused += 1
+            writer.close()
+            return
+        self._open += 1
         try:
-            ticket = await asyncio.wait_for(reader.readexactly(TICKET_BYTES), self.ticket_ttl_s)
+            ticket = await asyncio.wait_for(reader.readexactly(TICKET_BYTES), TICKET_WAIT_S)
             offer = self._offers.pop(ticket, None)
             if offer is None or offer.expires_at <= self.clock():
                 self.num_unknown_tickets += 1
@@ -111,6 +122,7 @@ class BlockStreamServer:
         except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
             log.info("block stream transfer to %s ended early: %r", writer.get_extra_info("peername"), exc)
         finally:
+            self._open -= 1
             writer.close()
 
 
