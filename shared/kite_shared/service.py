@@ -346,9 +346,14 @@ class ServiceRuntime:
         self.every(self.common.heartbeat_interval_s, self.publish_heartbeat, "heartbeat")
 
     async def serve(self, *endpoints: Endpoint) -> list[Subscription]:
-        """Subscribe each endpoint (see kite_shared.endpoints). nats.py's drain at shutdown unsubscribes
-        them; a service that must stop taking work earlier unsubscribes the returned subscriptions."""
-        return [await self.nc.subscribe(e.subject, queue=e.queue, cb=e.on_message) for e in endpoints]
+        """Subscribe each endpoint (see kite_shared.endpoints), and return once the server has the
+        subscriptions: nats.py only buffers a SUB, so a message published right after (a test's put, a
+        peer's first request) could otherwise reach the server first and be dropped, or answered "no
+        responders". nats.py's drain at shutdown unsubscribes them; a service that must stop taking work
+        earlier unsubscribes the returned subscriptions."""
+        subscriptions = [await self.nc.subscribe(e.subject, queue=e.queue, cb=e.on_message) for e in endpoints]
+        await self.nc.flush()  # a PING round trip: the server has processed the SUBs before it
+        return subscriptions
 
     def every(self, interval_s: float | Callable[[], float], work: Callable[[], Awaitable[None]],
               what: str) -> asyncio.Task:

@@ -18,7 +18,7 @@ import redis
 import torch
 
 from kite_cli import pool_admin
-from kite_cli.local_servers import free_port, start_redis
+from kite_cli.local_servers import free_port, start_nats, start_redis
 from kite_ru_pool.core import COLD
 from kite_ru_pool.service import PoolService
 from kite_shared import subjects
@@ -91,10 +91,19 @@ class Env:
 
 
 @pytest.fixture
-def env(nats_server, redis_server, s3_server, tmp_path) -> Env:
+def own_nats():
+    """A nats-server (with JetStream) for one test: the queue group `ru-pool` and the maintenance lease
+    are bus-wide state, and each test here means one lone pool on its bus."""
+    server = start_nats()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def env(own_nats, redis_server, s3_server, tmp_path) -> Env:
     db = 1 + (uuid.uuid4().int % 14)
     redis.Redis(port=redis_server.port, db=db).flushdb()
-    return Env(nats_server.url, f"{redis_server.url}/{db}", redis_server.port, db, s3_server.url,
+    return Env(own_nats.url, f"{redis_server.url}/{db}", redis_server.port, db, s3_server.url,
                f"p-{uuid.uuid4().hex[:8]}/", str(tmp_path / "cold"))
 
 
@@ -110,11 +119,30 @@ class Pools:
         args.update(pool_kw)
         cfg = load(RuPoolConfig, environ={}, **args)
         nc = await nats.connect(self.env.nats_url)
-        pool = PoolService(cfg, tier_cfg or self.env.tier_cfg(), nc)
+        # A fresh instance id for each pool, as replicas must have: the session's NATS server (and its
+        # JetStream lease bucket) outlives every test's pools.
+        pool = PoolService(cfg, tier_cfg or self.env.tier_cfg(), nc, instance_id=f"ru-pool-{uuid.uuid4().hex[:8]}")
+        self.running.append((pool, nc))  # stopped at the end even if it never gets ready
         await pool.start()
-        await wait_for(lambda: not pool.rebuilding, what="index rebuild")
-        self.running.append((pool, nc))
+        # A lone pool serves the queue group and leads the maintenance (sweeps, resyncs) once ready; the
+        # tests below count on both. Generous bounds: a loaded 2-core CI machine.
+        await wait_for(lambda: not pool.rebuilding and pool.serving, timeout_s=15.0, what="the pool serving")
+        await wait_for(lambda: pool.replicas.leading(), timeout_s=15.0, what="the pool holding the maintenance lease")
+        # Ready as a client sees it: the queue group answers a request from another connection (as the
+        # process tests' wait_ready). Right after start a request was once answered "no responders".
+        await wait_for(lambda: self._answers(nc), timeout_s=15.0, what="the pool answering on its queue group")
         return pool
+
+    async def _answers(self, pool_nc: nats.NATS) -> bool:
+        await pool_nc.flush()
+        probe = await nats.connect(self.env.nats_url)
+        try:
+            reply = await probe.request(subjects.POOL_ADMIN, PoolAdminRequest(op="stats").encode(), timeout=2)
+            return PoolAdminReply.decode(reply.data).ok
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            return False
+        finally:
+            await probe.close()
 
     async def stop(self, pool: PoolService) -> None:
         for i, (p, nc) in enumerate(self.running):

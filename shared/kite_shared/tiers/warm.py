@@ -67,8 +67,12 @@ class RedisTier(RemoteTier):
             retry=Retry(NoBackoff(), 0), max_connections=max_connections)
 
     async def close(self) -> None:
-        # Let the expiry refreshes in flight finish (each bounded by the tier's timeout) on the connection.
-        await asyncio.gather(*self._refreshing, return_exceptions=True)
+        # Let the expiry refreshes in flight finish on the connection, for at most the tier's timeout: a
+        # stop must not wait on Redis.
+        if self._refreshing:
+            _, late = await asyncio.wait(set(self._refreshing), timeout=self.timeout_s)
+            for task in late:
+                task.cancel()
         await self._redis.aclose()
 
     async def _op(self, what: str, fn: Callable[[], Awaitable[R]], *args: Any, **kwargs: Any) -> R:
