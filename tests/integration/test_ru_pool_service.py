@@ -18,7 +18,7 @@ import redis
 import torch
 
 from kite_cli import pool_admin
-from kite_cli.local_servers import free_port, start_nats, start_redis
+from kite_cli.local_servers import free_port, start_redis
 from kite_ru_pool.core import COLD
 from kite_ru_pool.service import PoolService
 from kite_shared import subjects
@@ -91,19 +91,10 @@ class Env:
 
 
 @pytest.fixture
-def own_nats():
-    """A nats-server (with JetStream) for one test: the queue group `ru-pool` and the maintenance lease
-    are bus-wide state, and each test here means one lone pool on its bus."""
-    server = start_nats()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def env(own_nats, redis_server, s3_server, tmp_path) -> Env:
+def env(nats_server, redis_server, s3_server, tmp_path) -> Env:
     db = 1 + (uuid.uuid4().int % 14)
     redis.Redis(port=redis_server.port, db=db).flushdb()
-    return Env(own_nats.url, f"{redis_server.url}/{db}", redis_server.port, db, s3_server.url,
+    return Env(nats_server.url, f"{redis_server.url}/{db}", redis_server.port, db, s3_server.url,
                f"p-{uuid.uuid4().hex[:8]}/", str(tmp_path / "cold"))
 
 

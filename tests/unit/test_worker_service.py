@@ -30,6 +30,9 @@ class Bus:
         self.is_connected = True
         self.fail_telemetry = False
 
+    async def flush(self) -> None:  # ServiceRuntime.serve waits for the server to have the SUBs
+        return None
+
     async def publish(self, subject: str, data: bytes) -> None:
         if self.fail_telemetry and subject == subjects.telemetry("worker"):
             raise RuntimeError("telemetry broke")
