@@ -15,6 +15,13 @@ import pytest
 from kite_shared.tiers import handoff
 
 
+def keep(hot: handoff.HotFiles, data: bytes) -> bytes | memoryview:
+    """What the pool does with a unit entering hot (tier_io._into_hot_file, there on a thread)."""
+    path = hot.write(data)
+    view = None if path is None else hot.map(path)
+    return data if view is None else view
+
+
 def test_reply_files_are_mapped_in_order_and_removed(tmp_path):
     folder = handoff.HandoffFolder(tmp_path)
     paths = folder.write_all([b"a" * 10, b"b" * 20])
@@ -28,7 +35,7 @@ def test_a_mapped_unit_is_private_writable_memory(tmp_path):
     """The reader may hand the bytes to torch as they are: writing them never reaches the file."""
     folder = handoff.HandoffFolder(tmp_path)
     hot = handoff.HotFiles(folder)
-    view = hot.keep(b"abc")
+    view = keep(hot, b"abc")
     (unit,) = handoff.map_units([hot.lent_path(view)], remove=False)
     unit[0] = ord("z")
     assert bytes(unit) == b"zbc" and bytes(view) == b"abc"
@@ -51,7 +58,7 @@ def test_an_empty_file_is_empty_bytes_not_an_error(tmp_path):
 def test_a_hot_file_lives_as_long_as_its_bytes(tmp_path):
     folder = handoff.HandoffFolder(tmp_path)
     hot = handoff.HotFiles(folder)
-    view = hot.keep(b"unit" * 100)
+    view = keep(hot, b"unit" * 100)
     path = hot.lent_path(view)
     assert bytes(view) == b"unit" * 100 and isinstance(view.obj, mmap.mmap)
     with open(path, "rb") as f:
@@ -69,7 +76,7 @@ def test_a_hot_file_lives_as_long_as_its_bytes(tmp_path):
 def test_lent_files_gone_before_the_read_are_a_miss_not_an_error(tmp_path):
     folder = handoff.HandoffFolder(tmp_path)
     hot = handoff.HotFiles(folder)
-    views = [hot.keep(b"x" * 10), hot.keep(b"y" * 10), hot.keep(b"z" * 10)]
+    views = [keep(hot, b"x" * 10), keep(hot, b"y" * 10), keep(hot, b"z" * 10)]
     paths = [hot.lent_path(v) for v in views]
     del views[1]  # evicted between the reply and the read
     gc.collect()
@@ -86,14 +93,14 @@ def test_a_tmpfs_that_cannot_take_the_unit_keeps_it_in_memory(tmp_path):
     hot = handoff.HotFiles(folder)
     folder.remove()  # the folder vanished (as a full tmpfs, the write fails)
     data = b"unit" * 10
-    assert hot.keep(data) is data
+    assert keep(hot, data) is data
     assert hot.lent_path(data) is None and (hot.num_kept, hot.num_refused) == (0, 1)
 
 
 def test_sweep_leaves_hot_files(tmp_path):
     folder = handoff.HandoffFolder(tmp_path, max_age_s=30.0)
     hot = handoff.HotFiles(folder)
-    view = hot.keep(b"hot")
+    view = keep(hot, b"hot")
     os.utime(hot.lent_path(view), (1000.0, 1000.0))
     assert folder.sweep(now=1050.0) == 0 and os.path.exists(hot.lent_path(view))
 

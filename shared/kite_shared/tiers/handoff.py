@@ -5,7 +5,7 @@ carrying the bytes (issue 15).
 Why: a NATS reply is capped at max_payload (8 MiB by default) and every byte crosses the pool process,
 the nats-server and the reader through sockets: 122-144 MB/s for hot blocks on the 2-core CI machine.
 Through files in memory the bus keeps the control (the request, the reply with file names) and the bytes
-go through the page cache. Cross-host readers keep getting the bytes inline.
+go through the page cache. Readers on other hosts get them from the block stream (block_stream) or inline.
 
 Two kinds of files, both in the pool's own folder:
 - **Hot files** (`HotFiles`): the pool's hot tier keeps each unit in a file of its own, written once (on
@@ -138,7 +138,7 @@ def open_folder(root: str) -> HandoffFolder | None:
 class HotFiles:
     """The pool's side of hot files (module docstring): `write` puts a unit's bytes into a file of the
     hand-off folder (blocking: a thread's work), `map` turns that file into the bytes the hot tier holds,
-    and `lent_path` says which file a unit held that way lives in. `keep` is both, for one unit."""
+    and `lent_path` says which file a unit held that way lives in."""
 
     def __init__(self, folder: HandoffFolder) -> None:
         self.folder = folder
@@ -185,12 +185,6 @@ class HotFiles:
         weakref.finalize(mapping, _unlink_quietly, path)
         self._paths[mapping] = path
         return memoryview(mapping)
-
-    def keep(self, data: bytes | memoryview) -> bytes | memoryview:
-        """`data` as a view of a new hot file; `data` itself when the file cannot be had."""
-        path = self.write(data)
-        view = None if path is None else self.map(path)
-        return data if view is None else view
 
     def lent_path(self, data: bytes | memoryview) -> str | None:
         """The hot file holding these bytes (a view `map` returned), or None."""
