@@ -65,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         from kite_cli import pool_admin
 
         return pool_admin.main(argv[1:])
+    if argv[:1] == ["adapter"]:
+        from kite_cli import adapter_admin
+
+        return adapter_admin.main(argv[1:])
     if argv[:1] == ["keys"]:
         from kite_cli import keys
 
@@ -93,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="arbitrator replicas (default 1)")
     run.set_defaults(func=_run)
     sub.add_parser("pool", help="ru-pool administration (stats, clear, pin, unpin, evict, purge)",
+                   add_help=False)
+    sub.add_parser("adapter", help="LoRA adapter declarations: `kite adapter declare|check FOLDER`",
                    add_help=False)
     sub.add_parser("keys", help="API keys: `kite keys new TENANT`, `kite keys hash [KEY]`", add_help=False)
     sub.add_parser("bench", help="benchmark KITE against peers (see docs/benchmarks.md)", add_help=False)

@@ -111,6 +111,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KITE_KV_STORAGE_DTYPE", str, "float16", MODEL_USERS,
             "dtype of stored KV blocks (float16, bfloat16 or float32); part of the execution-path "
             "fingerprint because it changes the reused KV values."),
+    Setting("KITE_ADAPTERS", str, "", MODEL_USERS,
+            "LoRA adapters served beside the base, as name=/path/to/peft-folder pairs, comma-separated; "
+            "clients name them as <name> or <base>:<name>. Each folder holds a kite-adapter.json "
+            "declaration (docs/adapters.md) checked against the base at start: an adapter that does not "
+            "match is refused with the field named, and the base keeps serving."),
     Setting("KITE_DEVICE_CLASS", str, "auto", MODEL_USERS,
             "Class of the device whose kernels compute KV, part of the execution-path fingerprint: "
             "cpu-<isa> (cpu-amx, cpu-avx512, cpu-avx2, cpu-<arch>) or cuda-sm<NN>; auto detects it on this "
@@ -438,6 +443,7 @@ class ModelConfig:
     attn_impl: str = env("KITE_ATTN_IMPL")
     kv_storage_dtype: str = env("KITE_KV_STORAGE_DTYPE")
     device_class: str = env("KITE_DEVICE_CLASS")
+    adapters: str = env("KITE_ADAPTERS")
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_BLOCK_SIZES:

@@ -5,15 +5,20 @@ network side is replaced by a function (its real behaviour: tests/integration/te
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 
 from kite_fingerprinter.__main__ import build_core
+from kite_fingerprinter.core import RequestError
 from kite_fingerprinter.service import FingerprinterService
+from kite_shared import model_store
+from kite_shared.adapters import load_adapter
 from kite_shared.config import FingerprinterConfig, ModelConfig, load
 from kite_shared.endpoints import Refusal
 from kite_shared.messages import Admission, ChatMessage, ErrorInfo, GenerateRequest, SamplingParams
+from tests.unit.test_adapters import make_folder
 
 WINDOW_S = 30.0
 
@@ -57,3 +62,21 @@ def test_telemetry_counts_each_request_once_and_both_kinds_of_refusal(core):
     assert 0 < t.tokenize_p50_s <= t.tokenize_p99_s < 1.0
     assert 0 < t.dispatch_p50_s <= t.dispatch_p99_s < 1.0
     assert t.routing_mode == cfg.router_mode and t.num_live_workers == 0
+
+
+def test_an_adapter_is_served_by_its_name_and_under_its_base_with_its_own_fingerprint(core, tmp_path):
+    local = model_store.prepare(load(ModelConfig))
+    adapter = load_adapter("alpha", make_folder(tmp_path / "alpha", local=local, block_size=core.block_size), core.identity, local,
+                           core.block_size)
+    with_adapter = dataclasses.replace(core, adapters={"alpha": adapter})
+    base = with_adapter.tokenize(request(core.model_name, "hello"))
+    by_name = with_adapter.tokenize(request("alpha", "hello"))
+    by_base = with_adapter.tokenize(request(f"{core.model_name}:alpha", "hello"))
+    assert (base.adapter, by_name.adapter, by_base.adapter) == ("", "alpha", "alpha")
+    assert by_name.model_fingerprint == by_base.model_fingerprint == adapter.identity.fingerprint_hex
+    assert base.model_fingerprint == core.identity.fingerprint_hex != adapter.identity.fingerprint_hex
+    assert by_name.prompt_token_ids == base.prompt_token_ids
+    assert not set(by_name.block_hashes) & set(base.block_hashes)
+    with pytest.raises(RequestError) as refused:
+        with_adapter.tokenize(request(f"{core.model_name}:gamma", "hello"))
+    assert refused.value.info.code == "model_not_found"

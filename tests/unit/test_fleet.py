@@ -21,3 +21,9 @@ def test_worker_is_dead_after_the_window_and_draining_takes_no_new_work():
     assert fleet.models(now=101.0) == {"m": 8192}
     fleet.observe(beat("w1"), now=104.0)
     assert fleet.is_alive("worker", "w1", now=104.5)
+
+
+def test_adapters_are_listed_by_their_name_and_under_their_base():
+    fleet = Fleet(dead_after_s=3.0)
+    fleet.observe(beat("w1").model_copy(update={"adapters": ["alpha", "beta"]}), now=100.0)
+    assert fleet.models(now=101.0) == {"m": 8192, "alpha": 8192, "m:alpha": 8192, "beta": 8192, "m:beta": 8192}

@@ -20,6 +20,7 @@ MODEL = ModelFingerprint(weights_digest="cd" * 32, adapter_digest="", dtype="flo
 EXEC = ExecutionPathFingerprint(attn_impl="sdpa", kv_storage_dtype="float16", engine="transformers",
                                 device_class="cpu-avx512")
 ROOT = root_hash(MODEL, EXEC)
+IDENTITY = ModelIdentity(model=MODEL, execution=EXEC, root=ROOT)
 
 
 class _Vocab:
@@ -63,7 +64,7 @@ def _sequence(prompt: list[int], num_resumed: int, stop: list[str]) -> Sequence:
                                sampling=SamplingParams(max_tokens=100, stop=stop), reuse=False,
                                model_fingerprint=ROOT.hex(), block_size=4, block_hashes=[], stream_subject="s",
                                created_at=0.0, num_resumed_tokens=num_resumed)
-    return Sequence(request=request, prompt_ids=prompt, prompt_hashes=[], reuse=False, generator=None,
+    return Sequence(request=request, identity=IDENTITY, prompt_ids=prompt, prompt_hashes=[], reuse=False, generator=None,
                     detokenizer=IncrementalDetokenizer(_decode), stops=StopStringMatcher(stop))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import start_http_server
 
-from kite_shared import model_store
+from kite_shared import adapters, model_store
 from kite_shared.config import FingerprinterConfig, ModelConfig, load
 from kite_shared.service import ServiceRuntime, exit_on_signal_until_connected, run_service
 from kite_fingerprinter.core import Fingerprinter
@@ -13,10 +13,12 @@ from kite_fingerprinter.service import FingerprinterService
 
 def build_core(model_cfg: ModelConfig, cfg: FingerprinterConfig) -> Fingerprinter:
     local = model_store.prepare(model_cfg)
+    identity = model_store.identity(local, model_cfg)
     return Fingerprinter(
-        tokenizer=model_store.load_tokenizer(local), identity=model_store.identity(local, model_cfg),
+        tokenizer=model_store.load_tokenizer(local), identity=identity,
         model_name=local.name, block_size=model_cfg.block_size, max_context_tokens=local.max_context_tokens,
-        default_max_tokens=cfg.default_max_tokens)
+        default_max_tokens=cfg.default_max_tokens,
+        adapters=adapters.load_configured(model_cfg, local, identity))
 
 
 def main() -> None:

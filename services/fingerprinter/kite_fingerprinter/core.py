@@ -7,8 +7,9 @@ describes. Pure logic over a tokenizer object: no NATS.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kite_shared.adapters import Adapter, split_model_name
 from kite_shared.fingerprint import block_hash_chain
 from kite_shared.messages import ErrorInfo, GenerateRequest, TokenizedRequest
 from kite_shared.model_store import ModelIdentity
@@ -28,12 +29,15 @@ class Fingerprinter:
     block_size: int
     max_context_tokens: int
     default_max_tokens: int
+    adapters: dict[str, Adapter] = field(default_factory=dict)  # LoRA adapters by name (KITE_ADAPTERS)
     last_cf_seconds: float = 0.0  # hash-chain time of the last request (tokenization excluded)
 
     def tokenize(self, request: GenerateRequest) -> TokenizedRequest:
-        if request.model != self.model_name:
+        adapter = split_model_name(request.model, self.model_name)
+        if adapter and adapter not in self.adapters:
             raise RequestError(ErrorInfo(code="model_not_found", param="model",
                                          message=f"The model '{request.model}' does not exist"))
+        identity = self.adapters[adapter].identity if adapter else self.identity
         prompt = self._prompt_ids(request)
         if not prompt:
             raise RequestError(ErrorInfo(code="invalid_prompt", param="prompt", message="The prompt is empty"))
@@ -58,13 +62,13 @@ class Fingerprinter:
             prompt = prompt + resumed
             max_tokens -= len(resumed)
         started = time.perf_counter()
-        hashes = block_hash_chain(prompt, self.block_size, self.identity.root, request.cache_salt)
+        hashes = block_hash_chain(prompt, self.block_size, identity.root, request.cache_salt)
         self.last_cf_seconds = time.perf_counter() - started
         return TokenizedRequest(
             request_id=request.request_id, model=request.model, prompt_token_ids=prompt,
             sampling=request.sampling.model_copy(update={"max_tokens": max_tokens}),
             reuse=request.reuse, cache_salt=request.cache_salt, tenant=request.tenant,
-            model_fingerprint=self.identity.fingerprint_hex, block_size=self.block_size,
+            model_fingerprint=identity.fingerprint_hex, adapter=adapter, block_size=self.block_size,
             block_hashes=[bytes(h) for h in hashes], stream_subject=request.stream_subject,
             created_at=request.created_at, num_resumed_tokens=len(resumed),
             session_id=request.session_id)

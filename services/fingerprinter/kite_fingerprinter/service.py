@@ -44,15 +44,18 @@ class FingerprinterService:
 
     async def start(self) -> None:
         self.rt.set_heartbeat_fields(lambda: {"model": self.core.model_name,
-                                              "max_context_tokens": self.core.max_context_tokens})
+                                              "max_context_tokens": self.core.max_context_tokens,
+                                              "adapters": sorted(self.core.adapters)})
         await self.rt.serve(
             Endpoint(subjects.FINGERPRINT, GenerateRequest.decode, self.admit, queue=subjects.FINGERPRINTER_QUEUE,
                      refuse=lambda error: Admission(accepted=False, error=error), span="kite.fingerprinter.admit"),
             *self.router.endpoints())
         self.rt.publish_every(self.cfg.telemetry_interval_s, subjects.telemetry("fingerprinter"), self.telemetry)
         # Freshness: the ru-pool stops serving (and purges) blocks of any earlier fingerprint of this model.
-        await PoolClient(self.rt.nc).model_fingerprint_changed(self.core.model_name,
-                                                               self.core.identity.fingerprint_hex)
+        pool = PoolClient(self.rt.nc)
+        await pool.model_fingerprint_changed(self.core.model_name, self.core.identity.fingerprint_hex)
+        for name, adapter in self.core.adapters.items():  # an adapter whose content changed: likewise
+            await pool.model_fingerprint_changed(f"{self.core.model_name}:{name}", adapter.identity.fingerprint_hex)
 
     async def admit(self, request: GenerateRequest) -> Admission:
         started = time.perf_counter()

@@ -32,8 +32,15 @@ class Fleet:
         return entry is not None and now - entry[0] <= self.dead_after_s
 
     def models(self, now: float | None = None) -> dict[str, int]:
-        """Model id -> context window, over live workers."""
-        return {b.model: b.max_context_tokens for b in self.alive("worker", now) if b.model}
+        """Model id -> context window, over live workers: each base, and each adapter under its own name
+        and as "<base>:<adapter>"."""
+        models = {}
+        for beat in self.alive("worker", now):
+            if beat.model:
+                models[beat.model] = beat.max_context_tokens
+                for adapter in beat.adapters:
+                    models[adapter] = models[f"{beat.model}:{adapter}"] = beat.max_context_tokens
+        return models
 
     def _forget_dead(self, now: float) -> None:
         # Keep dead entries a while (is_alive answers False for them), then drop them to bound memory.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from prometheus_client import start_http_server
 
-from kite_shared import model_store, subjects
+from kite_shared import adapters, model_store, subjects
 from kite_shared.config import CommonConfig, ModelConfig, WorkerConfig, default_instance_id, load
 from kite_shared.endpoints import Endpoint
 from kite_shared.messages import Admission, Cancel, Decision, ErrorInfo, TokenizedRequest
@@ -34,6 +34,7 @@ def load_engine(model_cfg: ModelConfig, worker_cfg: WorkerConfig, instance_id: s
         vllm_engine = VllmEngine(local, identity, model_cfg, worker_cfg, instance_id)
         vllm_engine.start()
         return LoadedModel(local, identity, vllm_engine)
+    served_adapters = adapters.load_configured(model_cfg, local, identity)
     engine = Engine(
         model=model_store.load_causal_lm(local, model_cfg),
         tokenizer=model_store.load_tokenizer(local),
@@ -44,8 +45,9 @@ def load_engine(model_cfg: ModelConfig, worker_cfg: WorkerConfig, instance_id: s
                               prefill_chunk_tokens=worker_cfg.prefill_chunk_tokens,
                               cache_generated=worker_cfg.cache_generated),
         max_context_tokens=local.max_context_tokens,
+        adapters=served_adapters,
     )
-    return LoadedModel(local, identity, engine)
+    return LoadedModel(local, identity, engine, served_adapters)
 
 
 def refused(error: ErrorInfo) -> Admission:

@@ -3,6 +3,7 @@
 Shared by every request on the worker. A pure data structure (no I/O, no threads of its own): callers
 hold it from one thread (the engine loop). Stored/removed events accumulate for the caller to drain with
 `take_events()` and publish (the ru-pool's global index learns from them), SGLang radix-cache style.
+Each block remembers the model fingerprint (base or adapter) it was computed under, for its events.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kite_shared.fingerprint import BlockHash
 class CacheEvent:
     kind: Literal["stored", "removed"]
     block_hash: BlockHash
+    model_fingerprint: str  # hex root of the model (base or adapter) the block belongs to
 
 
 class BlockCache:
@@ -27,6 +29,7 @@ class BlockCache:
         self.capacity_bytes = capacity_bytes
         self.num_bytes = 0
         self._blocks: OrderedDict[BlockHash, torch.Tensor] = OrderedDict()
+        self._fingerprints: dict[BlockHash, str] = {}
         self._events: list[CacheEvent] = []
         self.num_evictions = 0
 
@@ -53,7 +56,7 @@ class BlockCache:
             blocks.append(self._blocks[h])
         return blocks
 
-    def put(self, block_hash: BlockHash, block: torch.Tensor) -> bool:
+    def put(self, block_hash: BlockHash, block: torch.Tensor, model_fingerprint: str) -> bool:
         """Insert a block; returns False when it was already present or can never fit."""
         if block_hash in self._blocks:
             self._blocks.move_to_end(block_hash)
@@ -65,16 +68,18 @@ class BlockCache:
             old_hash, old = self._blocks.popitem(last=False)
             self.num_bytes -= old.numel() * old.element_size()
             self.num_evictions += 1
-            self._events.append(CacheEvent("removed", old_hash))
+            self._events.append(CacheEvent("removed", old_hash, self._fingerprints.pop(old_hash)))
         self._blocks[block_hash] = block
+        self._fingerprints[block_hash] = model_fingerprint
         self.num_bytes += size
-        self._events.append(CacheEvent("stored", block_hash))
+        self._events.append(CacheEvent("stored", block_hash, model_fingerprint))
         return True
 
     def clear(self) -> None:
         for h in self._blocks:
-            self._events.append(CacheEvent("removed", h))
+            self._events.append(CacheEvent("removed", h, self._fingerprints[h]))
         self._blocks.clear()
+        self._fingerprints.clear()
         self.num_bytes = 0
 
     def take_events(self) -> list[CacheEvent]:

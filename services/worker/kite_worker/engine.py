@@ -15,17 +15,23 @@ Prefill of a request:
      on its way, so packaging never delays time to first token.
 At the end of generation, full blocks covering prompt + answer are kept too (KITE_WORKER_CACHE_GENERATED),
 so the next turn of a chat reuses the answer.
+
+LoRA adapters (KITE_ADAPTERS): the model is then a peft model holding every adapter; each forward runs
+with the sequence's adapter active (or all disabled for the base). A sequence's identity is its adapter's,
+so its hashes, and the blocks it stores, are its adapter's alone.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
+from kite_shared.adapters import Adapter
 from kite_shared.fingerprint import BlockHash, block_hash_chain
 from kite_shared.messages import TokenizedRequest
 from kite_shared.model_store import ModelIdentity
@@ -54,12 +60,14 @@ class NewBlock:
     parent_hash: bytes
     block_index: int
     kv: torch.Tensor  # [L, 2, H, block_size, D] in the storage dtype
+    model_fingerprint: str  # hex root of the model (base or adapter) that computed it
     tenant_tag: str  # security.tenant_tag of the request's tenant: the pool accounts the block to it
 
 
 @dataclass
 class Sequence:
     request: TokenizedRequest
+    identity: ModelIdentity  # the base's, or the request's adapter's
     prompt_ids: list[int]
     prompt_hashes: list[BlockHash]
     reuse: bool
@@ -101,8 +109,10 @@ class EngineOptions:
 
 class Engine:
     def __init__(self, model, tokenizer, identity: ModelIdentity, block_cache: BlockCache,
-                 options: EngineOptions, max_context_tokens: int) -> None:
-        self.model = model
+                 options: EngineOptions, max_context_tokens: int,
+                 adapters: dict[str, Adapter] | None = None) -> None:
+        self.adapters = adapters or {}
+        self.model = attach_adapters(model, self.adapters)
         self.tokenizer = tokenizer
         self.identity = identity
         self.block_cache = block_cache
@@ -122,11 +132,19 @@ class Engine:
 
     # --- admission ---------------------------------------------------------------------------------
 
+    def identity_of(self, request: TokenizedRequest) -> ModelIdentity:
+        if not request.adapter:
+            return self.identity
+        if request.adapter not in self.adapters:
+            raise RequestRejected("model_not_found", f"this worker does not serve the adapter {request.adapter!r}")
+        return self.adapters[request.adapter].identity
+
     def new_sequence(self, request: TokenizedRequest) -> Sequence:
-        hashes = validate_request(request, self.identity, self.options.block_size, self.max_context_tokens)
+        identity = self.identity_of(request)
+        hashes = validate_request(request, identity, self.options.block_size, self.max_context_tokens)
         prompt = list(request.prompt_token_ids)
         seq = Sequence(
-            request=request, prompt_ids=prompt, prompt_hashes=hashes,
+            request=request, identity=identity, prompt_ids=prompt, prompt_hashes=hashes,
             reuse=self.options.reuse and request.reuse,
             generator=make_generator(request.sampling),
             detokenizer=IncrementalDetokenizer(self._decode),
@@ -163,7 +181,7 @@ class Engine:
     def _inject_cached_prefix(self, seq: Sequence) -> None:
         num_local = self.block_cache.longest_prefix(seq.prompt_hashes) if seq.reuse else 0
         for block_hash, kv in seq.prefetched:  # the loader fetched these after the local prefix
-            self.block_cache.put(block_hash, kv)
+            self.block_cache.put(block_hash, kv, seq.identity.fingerprint_hex)
         seq.prefetched = []
         num_blocks = self.block_cache.longest_prefix(seq.prompt_hashes) if seq.reuse else 0
         seq.num_pool_blocks = max(0, num_blocks - num_local)
@@ -188,10 +206,20 @@ class Engine:
         positions = torch.arange(start, start + len(token_ids), dtype=torch.long).unsqueeze(0)
         # logits_to_keep=1: only the last position is sampled, and the LM head over every prompt position
         # (49,152 x 576 per token for SmolLM2) would be about a fifth of a prefill's matrix work.
-        out = self.model(input_ids=input_ids, past_key_values=seq.cache, position_ids=positions,
-                         use_cache=True, logits_to_keep=1)
+        with self._adapter_active(seq.request.adapter):
+            out = self.model(input_ids=input_ids, past_key_values=seq.cache, position_ids=positions,
+                             use_cache=True, logits_to_keep=1)
         seq.cache = out.past_key_values
         return out.logits[0, -1]
+
+    def _adapter_active(self, adapter: str):
+        if not self.adapters:
+            return nullcontext()
+        if not adapter:
+            return self.model.disable_adapter()
+        if self.model.active_adapter != adapter:
+            self.model.set_adapter(adapter)
+        return nullcontext()
 
     # --- decode ----------------------------------------------------------------------------------------
 
@@ -243,7 +271,7 @@ class Engine:
         if num_blocks <= first_new:
             return []
         hashes = block_hash_chain(ids[:num_blocks * self.options.block_size], self.options.block_size,
-                                  self.identity.root, seq.request.cache_salt)
+                                  seq.identity.root, seq.request.cache_salt)
         return self._store(seq, hashes, first_new)
 
     def _store(self, seq: Sequence, hashes: list[BlockHash], first_new: int) -> list[NewBlock]:
@@ -256,12 +284,27 @@ class Engine:
                                      self.options.storage_dtype)
         new_blocks = []
         owner = tenant_tag(seq.request.tenant)
+        fingerprint = seq.identity.fingerprint_hex
         for i in missing:
             kv = tensors[i - missing[0]]
-            if self.block_cache.put(hashes[i], kv):
-                parent = hashes[i - 1] if i > 0 else self.identity.root
-                new_blocks.append(NewBlock(hashes[i], parent, i, kv, owner))
+            if self.block_cache.put(hashes[i], kv, fingerprint):
+                parent = hashes[i - 1] if i > 0 else seq.identity.root
+                new_blocks.append(NewBlock(hashes[i], parent, i, kv, fingerprint, owner))
         return new_blocks
+
+
+def attach_adapters(model, adapters: dict[str, Adapter]):
+    """`model` itself without adapters; else a peft model holding each adapter under its name."""
+    if not adapters:
+        return model
+    from peft import PeftModel  # only workers that serve adapters import peft
+
+    first, *rest = adapters.values()
+    model = PeftModel.from_pretrained(model, str(first.path), adapter_name=first.name, is_trainable=False)
+    for adapter in rest:
+        model.load_adapter(str(adapter.path), adapter_name=adapter.name, is_trainable=False)
+    model.eval()
+    return model
 
 
 def validate_request(request: TokenizedRequest, identity: ModelIdentity, block_size: int,

@@ -94,7 +94,7 @@ class PoolLoader:
         self.pool = pool  # kite_shared.tiers.pool_client.PoolClient
         self.tier_client = tier_client  # kite_shared.tiers.client.TierClient | None
         self.cost = cost
-        self.model_fingerprint = model_fingerprint
+        self.model_fingerprint = model_fingerprint  # the base model's; a request's adapter has its own
         self.block_shape = block_shape  # [layers, 2, kv_heads, block_size, head_dim]
         self.storage_dtype = storage_dtype
         self.mac_key = mac_key  # cluster RU key: a unit without a valid MAC is never loaded
@@ -106,11 +106,12 @@ class PoolLoader:
         self.num_loads_timed_out = 0
         self.num_rejected = 0
 
-    async def load(self, hashes: Seq[BlockHash], num_local: int,
-                   tenant: str = ANONYMOUS_TENANT) -> list[tuple[BlockHash, torch.Tensor]]:
+    async def load(self, hashes: Seq[BlockHash], num_local: int, tenant: str = ANONYMOUS_TENANT,
+                   model_fingerprint: str = "") -> list[tuple[BlockHash, torch.Tensor]]:
         """Leading blocks after the first `num_local` (already in the worker cache) that the pool has and
         that are cheaper to load than to compute; verified and ready to insert. `tenant` is the
-        request's: its blocks are stored under its tenant tag.
+        request's: its blocks are stored under its tenant tag. `model_fingerprint`: the request's model
+        (an adapter's), when not the base's.
 
         Loads run one at a time and loaded blocks stay staged (a small LRU) until the engine has them:
         requests queued behind each other with the same prefix share one copy of its blocks instead of
@@ -124,7 +125,8 @@ class PoolLoader:
                     break
                 self._staged.move_to_end(block_hash)
                 staged.append((block_hash, tensor))
-            fetched = (await self._load_uncached(missing[len(staged):], tenant)
+            fetched = (await self._load_uncached(missing[len(staged):], tenant,
+                                                 model_fingerprint or self.model_fingerprint)
                        if len(staged) < len(missing) else [])
             for block_hash, tensor in fetched:
                 self._stage(block_hash, tensor)
@@ -140,8 +142,9 @@ class PoolLoader:
             _, old = self._staged.popitem(last=False)
             self._staged_bytes -= old.numel() * old.element_size()
 
-    async def _load_uncached(self, missing: list[BlockHash], tenant: str) -> list[tuple[BlockHash, torch.Tensor]]:
-        lookup = await self.pool.lookup(self.model_fingerprint, [bytes(h) for h in missing],
+    async def _load_uncached(self, missing: list[BlockHash], tenant: str,
+                             model_fingerprint: str) -> list[tuple[BlockHash, torch.Tensor]]:
+        lookup = await self.pool.lookup(model_fingerprint, [bytes(h) for h in missing],
                                         include_workers=False)
         if lookup is None or lookup.invalidated or lookup.pool == 0:
             log.debug("pool lookup of %d blocks: %s", len(missing), "no answer" if lookup is None else
@@ -156,7 +159,7 @@ class PoolLoader:
         deadline_s = self.cost.recompute_seconds(num_to_load)
         wanted = missing[:num_to_load]
         try:
-            units = await asyncio.wait_for(self._fetch(wanted, letters[:num_to_load], tenant), timeout=deadline_s)
+            units = await asyncio.wait_for(self._fetch(wanted, letters[:num_to_load], tenant, model_fingerprint), timeout=deadline_s)
         except asyncio.TimeoutError:
             self.num_loads_timed_out += 1
             log.info("pool fetch of %d blocks passed its %.3f s budget; computing instead", num_to_load, deadline_s)
@@ -164,15 +167,15 @@ class PoolLoader:
         loaded = []
         owner = tenant_tag(tenant)
         for block_hash, data in zip(wanted, units):
-            tensor = self._to_tensor(block_hash, data, owner)
+            tensor = self._to_tensor(block_hash, data, owner, model_fingerprint)
             if tensor is None:
                 break
             loaded.append((block_hash, tensor))
         self.num_blocks_loaded += len(loaded)
         return loaded
 
-    async def _fetch(self, hashes: list[BlockHash], letters: bytes,
-                     tenant: str) -> list[Buffer | RecyclableUnit | None]:
+    async def _fetch(self, hashes: list[BlockHash], letters: bytes, tenant: str,
+                     model_fingerprint: str) -> list[Buffer | RecyclableUnit | None]:
         """Units in order, fetched concurrently per tier: encoded bytes from the pool (to verify here),
         decoded units from direct tier reads (verified by the tier client), None where none could be had."""
         results: list[Buffer | RecyclableUnit | None] = [None] * len(hashes)
@@ -183,7 +186,7 @@ class PoolLoader:
             if not from_pool:
                 return
             started = time.perf_counter()
-            units = await self.pool.get(self.model_fingerprint, [bytes(hashes[i]) for i in from_pool],
+            units = await self.pool.get(model_fingerprint, [bytes(hashes[i]) for i in from_pool],
                                         tenant=tenant)
             self.cost.tiers["h"].observe(time.perf_counter() - started, sum(map(len, units)))
             for i, data in zip(from_pool, units):
@@ -211,7 +214,7 @@ class PoolLoader:
         async def from_cold(indices: list[int]) -> None:
             if cold is None or not indices:
                 return
-            found = await asyncio.gather(*(cold.get_unit(self.model_fingerprint, bytes(hashes[i]), owner)
+            found = await asyncio.gather(*(cold.get_unit(model_fingerprint, bytes(hashes[i]), owner)
                                            for i in indices))
             for i, hit in zip(indices, found):
                 take(i, hit, "c")
@@ -220,7 +223,7 @@ class PoolLoader:
             if warm is None:
                 await from_cold(indices)
                 return
-            found = await warm.get_units(self.model_fingerprint, [bytes(hashes[i]) for i in indices], owner)
+            found = await warm.get_units(model_fingerprint, [bytes(hashes[i]) for i in indices], owner)
             await from_cold([i for i, hit in zip(indices, found) if not take(i, hit, "w")])
 
         try:
@@ -232,7 +235,7 @@ class PoolLoader:
         return results
 
     def _to_tensor(self, block_hash: BlockHash, found: Buffer | RecyclableUnit | None,
-                   owner: str) -> torch.Tensor | None:
+                   owner: str, model_fingerprint: str) -> torch.Tensor | None:
         if found is None:
             return None
         if isinstance(found, RecyclableUnit):
@@ -240,7 +243,7 @@ class PoolLoader:
         else:  # crossed NATS from the pool: verify here
             try:
                 unit = recyclable_unit.decode(found, expected_hash=bytes(block_hash),
-                                              expected_model=self.model_fingerprint, key=self.mac_key,
+                                              expected_model=model_fingerprint, key=self.mac_key,
                                               expected_tenant_tag=owner)
             except RUError as exc:
                 self.num_rejected += 1

@@ -5,7 +5,8 @@ cache (`add_cache_events`) without ever waiting; two rounds that the runtime run
 (`put_next_block`, `publish_next_cache_events`). The block outbox is bounded: when full, blocks are dropped
 rather than slowing generation (the local cache still has them). The drain waits for `flush`.
 
-Boundary: the pool client, the model's fingerprint and the write policy in; no scheduler, no engine. (On
+Boundary: the pool client and the write policy in (each block and event names its model fingerprint:
+the base's or an adapter's); no scheduler, no engine. (On
 vLLM the KV connector saves blocks and reports cache events itself, inside vLLM's processes.)
 """
 
@@ -32,10 +33,9 @@ _POLL_S = 0.25  # a thread waits this long for a block: never longer, so shutdow
 
 
 class PoolOutbox:
-    def __init__(self, pool: PoolClient, fingerprint_hex: str, writes: WritePolicyFilter, enabled: bool,
+    def __init__(self, pool: PoolClient, writes: WritePolicyFilter, enabled: bool,
                  loop: asyncio.AbstractEventLoop) -> None:
         self.pool = pool
-        self.fingerprint_hex = fingerprint_hex
         self.writes = writes
         self.enabled = enabled  # KITE_WORKER_POOL_WRITE
         self._ru_key = ru_key()  # once: ru_key() reads the configuration
@@ -77,12 +77,14 @@ class PoolOutbox:
         events = await self._cache_events.get()
         while not self._cache_events.empty():
             events += self._cache_events.get_nowait()
-        stored = [bytes(e.block_hash) for e in events if e.kind == "stored"]
-        removed = [bytes(e.block_hash) for e in events if e.kind == "removed"]
-        if removed:
-            await self.pool.block_removed(self.fingerprint_hex, removed)
-        if stored:
-            await self.pool.block_stored(self.fingerprint_hex, stored)
+        for fingerprint in dict.fromkeys(e.model_fingerprint for e in events):
+            stored = [bytes(e.block_hash) for e in events if e.kind == "stored" and e.model_fingerprint == fingerprint]
+            removed = [bytes(e.block_hash) for e in events
+                       if e.kind == "removed" and e.model_fingerprint == fingerprint]
+            if removed:
+                await self.pool.block_removed(fingerprint, removed)
+            if stored:
+                await self.pool.block_stored(fingerprint, stored)
 
     async def flush(self) -> None:
         """Return once every block queued so far has been handed to the pool (or failed to be)."""
@@ -93,7 +95,7 @@ class PoolOutbox:
         kv = block.kv
         return RecyclableUnit(
             block_hash=bytes(block.block_hash), parent_hash=bytes(block.parent_hash),
-            model_fingerprint=self.fingerprint_hex, block_index=block.block_index,
+            model_fingerprint=block.model_fingerprint, block_index=block.block_index,
             num_tokens=kv.shape[3], codec=TORCH_DTYPE_TO_CODEC[str(kv.dtype).removeprefix("torch.")],
             shape=tuple(kv.shape), payload=kv.contiguous().view(torch.uint8).numpy().tobytes(),
             tenant_tag=block.tenant_tag,

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import nats.errors
 import torch
@@ -31,6 +31,7 @@ from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
 from kite_shared import model_store
+from kite_shared.adapters import Adapter
 from kite_shared.config import TierConfig, WorkerConfig, load
 from kite_shared.endpoints import Endpoint, Refusal
 from kite_shared.messages import Admission, Cancel, ErrorInfo, Message, StreamEnd, StreamError, TokenizedRequest
@@ -66,8 +67,12 @@ POOL_LOAD_SECONDS = Histogram("kite_worker_pool_load_seconds", "Lookup + fetch t
 @dataclass
 class LoadedModel:
     local: model_store.LocalModel
-    identity: model_store.ModelIdentity
+    identity: model_store.ModelIdentity  # the base's
     engine: Engine | VllmEngine
+    adapters: dict[str, Adapter] = field(default_factory=dict)  # served beside the base, by name
+
+    def identities(self) -> list[model_store.ModelIdentity]:
+        return [self.identity, *(a.identity for a in self.adapters.values())]
 
 
 class WorkerService:
@@ -80,8 +85,7 @@ class WorkerService:
         self.writes = WritePolicyFilter(cfg.write_policy)
         # A TLS block stream is verified like NATS: with the cluster's CA (KITE_NATS_TLS_CA).
         self.pool = PoolClient(rt.nc, worker_id=rt.instance_id, stream_ssl=nats_auth_options(rt.common).get("tls"))
-        self.outbox = PoolOutbox(self.pool, loaded.identity.fingerprint_hex, self.writes, cfg.pool_write,
-                                 self.loop)
+        self.outbox = PoolOutbox(self.pool, self.writes, cfg.pool_write, self.loop)
         if self.on_vllm:
             self.scheduler = VllmScheduler(loaded.engine, cfg.max_queued, emit=self._emit_from_engine,
                                            save_limit=self._vllm_save_limit, pool_blocks=self._pool_blocks)
@@ -111,7 +115,8 @@ class WorkerService:
             self.loader = self._make_loader()
         self.scheduler.start()
         # A (re)started worker has an empty cache: whatever the pool's index remembers of it is gone.
-        await self.pool.block_removed(self.loaded.identity.fingerprint_hex, [], all_blocks=True)
+        for identity in self.loaded.identities():
+            await self.pool.block_removed(identity.fingerprint_hex, [], all_blocks=True)
 
     def _make_loader(self) -> PoolLoader:
         engine = self.loaded.engine
@@ -185,6 +190,7 @@ class WorkerService:
     def heartbeat_fields(self) -> dict:
         self._update_metrics()
         return {"model": self.loaded.local.name, "max_context_tokens": self.loaded.local.max_context_tokens,
+                "adapters": sorted(self.loaded.adapters),
                 "num_running": self.scheduler.num_running, "num_queued": self.scheduler.num_queued}
 
     def _update_metrics(self) -> None:
@@ -237,7 +243,8 @@ class WorkerService:
             engine = self.loaded.engine
             self.loader.cost.prefill_seconds_per_token = engine.prefill_seconds_per_token
             num_local = engine.block_cache.longest_prefix(seq.prompt_hashes)
-            seq.prefetched = await self.loader.load(seq.prompt_hashes, num_local, seq.request.tenant)
+            seq.prefetched = await self.loader.load(seq.prompt_hashes, num_local, seq.request.tenant,
+                                                    seq.identity.fingerprint_hex)
             POOL_BLOCKS_LOADED.inc(len(seq.prefetched))
         except Exception:
             log.exception("loading pool blocks for %s failed; computing them", seq.request_id)

@@ -39,6 +39,7 @@ class Heartbeat(Message):
     sent_at: float  # unix seconds
     model: str = ""  # worker and fingerprinter: the model id they serve
     max_context_tokens: int = 0  # worker and fingerprinter: the model's context window
+    adapters: list[str] = Field(default_factory=list)  # worker and fingerprinter: the LoRA adapters served beside `model`
     num_running: int = 0  # worker: requests generating now
     num_queued: int = 0  # worker: requests waiting for a slot
     draining: bool = False  # the process got SIGTERM and takes no new work

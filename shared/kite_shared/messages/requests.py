@@ -81,6 +81,7 @@ class TokenizedRequest(Message):
     cache_salt: str = ""  # mixed into block 0's hash; the worker recomputes the chain to verify it
     tenant: str = Field(default=ANONYMOUS_TENANT, min_length=1, max_length=128)  # GenerateRequest.tenant
     model_fingerprint: str  # hex digest of the model-state + execution-path fingerprint
+    adapter: str = ""  # the LoRA adapter the request runs with (its KITE_ADAPTERS name); "" for the base
     block_size: int  # tokens per block the hashes cover
     block_hashes: list[bytes]  # hash chain over the full prompt blocks, 32 bytes each
     stream_subject: str

@@ -1,0 +1,122 @@
+"""LoRA adapters through the whole stack (issue 16): the base and two adapters on two workers, requests
+interleaved and concurrent; each model's greedy answer with reuse equals reuse off; a replacement worker
+loads each adapter's blocks from the pool; the pool's warm tier keeps each model's blocks apart."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import redis
+
+from kite_shared import adapters
+from kite_shared.config import ModelConfig, load
+from kite_shared.model_store import identity, prepare
+from kite_shared.tiers.keys import REDIS_KEY_PREFIX, model_tag
+from tests.integration.conftest import MODEL
+from tests.integration.test_pool_reuse import cached, replace_worker
+from tests.lora_adapters import make_lora_adapters
+
+SYSTEM = {"role": "system", "content": "You are the adapter test assistant. " +
+          " ".join(f"Note {i}: every adapter keeps its own cache of item {i}." for i in range(30))}
+MODELS = (MODEL, "alpha", f"{MODEL}:beta")  # an adapter by its own name and one under its base
+
+
+@pytest.fixture(scope="module")
+def adapter_folders(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("adapters")
+    cfg = load(ModelConfig, engine="transformers", block_size=16)
+    local = prepare(cfg)
+    make_lora_adapters(local, cfg, {folder / "alpha": 1, folder / "beta": 2})
+    setting = f"alpha={folder / 'alpha'},beta={folder / 'beta'}"
+    with_adapters = load(ModelConfig, engine="transformers", block_size=16, adapters=setting)
+    served = adapters.load_configured(with_adapters, local, identity(local, with_adapters))
+    tags = {name: model_tag(a.identity.fingerprint_hex) for name, a in served.items()}
+    tags[""] = model_tag(identity(local, with_adapters).fingerprint_hex)
+    return setting, tags
+
+
+def chat(stack, model: str, question: str, reuse: bool = True) -> dict:
+    r = httpx.post(stack.http_url + "/v1/chat/completions", timeout=180, json={
+        "model": model, "temperature": 0, "max_tokens": 10, "kite": {"reuse": reuse},
+        "messages": [SYSTEM, {"role": "user", "content": question}]})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def answer(response: dict) -> str:
+    return response["choices"][0]["message"]["content"]
+
+
+def wait_for_models(stack, expected: set[str], timeout_s: float = 15.0) -> None:
+    """The gateway lists adapters from the workers' heartbeats, which may come a moment after /health."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listed = {m["id"] for m in httpx.get(stack.http_url + "/v1/models", timeout=30).json()["data"]}
+        if expected <= listed or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert expected <= listed
+
+
+def warm_tags(stack) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for key in redis.Redis.from_url(stack.redis.url).scan_iter(REDIS_KEY_PREFIX + "*"):
+        tag = key.decode().removeprefix(REDIS_KEY_PREFIX).split(":")[0]
+        counts[tag] = counts.get(tag, 0) + 1
+    return counts
+
+
+def test_base_and_adapters_on_two_workers(fresh_stack_factory, adapter_folders):
+    setting, tags = adapter_folders
+    stack = fresh_stack_factory(num_workers=2, env={"KITE_ADAPTERS": setting})
+    assert stack.redis is not None, "this test needs redis-server installed"
+    wait_for_models(stack, {MODEL, "alpha", "beta", f"{MODEL}:alpha", f"{MODEL}:beta"})
+
+    questions = ("Which river flows through Paris?", "How long is the Danube?")
+    references = {(m, q): answer(chat(stack, m, q, reuse=False)) for m in MODELS for q in questions}
+    for adapter in MODELS[1:]:  # the adapters change answers
+        assert any(references[(adapter, q)] != references[(MODEL, q)] for q in questions), references
+    # Interleaved and concurrent: every model's requests at once, on both workers.
+    jobs = [(m, q) for q in questions for m in MODELS] * 2
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda job: chat(stack, *job), jobs))
+    for job, result in zip(jobs, results):
+        assert answer(result) == references[job], job
+    assert all(cached(r) > 0 for r in results[len(results) // 2:])  # the second round reused its blocks
+
+    # Each model's blocks reach the pool under its own model tag, and only there.
+    deadline = time.monotonic() + 30
+    while set(warm_tags(stack)) != set(tags.values()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert set(warm_tags(stack)) == set(tags.values())
+
+    # Fresh workers never computed these prompts: each model's prefix comes from the pool, unchanged.
+    replace_worker(stack)
+    question = "Which river flows through Vienna?"
+    for model in MODELS:
+        on = chat(stack, model, question)
+        assert cached(on) >= 16 * 10, model
+        assert answer(on) == answer(chat(stack, model, question, reuse=False)), model
+
+
+def test_an_adapter_refused_at_start_leaves_the_base_serving(fresh_stack_factory, adapter_folders, tmp_path):
+    setting, _ = adapter_folders
+    folder = dict(item.split("=") for item in setting.split(","))["alpha"]
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    declaration = json.loads((bad / adapters.DECLARATION_FILE).read_text())
+    declaration["base"]["rope_theta"] = 10000.0
+    (bad / adapters.DECLARATION_FILE).write_text(json.dumps(declaration))
+    stack = fresh_stack_factory(num_workers=1, env={"KITE_ADAPTERS": f"bad={bad},alpha={folder}"})
+    wait_for_models(stack, {MODEL, "alpha"})
+    assert any("base.rope_theta" in stack.tail(p, 1_000_000) for p in stack.workers())
+    r = httpx.post(stack.http_url + "/v1/chat/completions", timeout=60, json={
+        "model": "bad", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert answer(chat(stack, MODEL, "Still there?"))
+    assert answer(chat(stack, "alpha", "Still there?"))
