@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         from kite_cli import adapter_admin
 
         return adapter_admin.main(argv[1:])
+    if argv[:1] == ["arbitrator"]:
+        from kite_cli import arbitrator_admin
+
+        return arbitrator_admin.main(argv[1:])
     if argv[:1] == ["keys"]:
         from kite_cli import keys
 
@@ -100,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False)
     sub.add_parser("adapter", help="LoRA adapter declarations: `kite adapter declare|check FOLDER`",
                    add_help=False)
+    sub.add_parser("arbitrator", help="arbitrator administration (status, reload, routing-mode, "
+                   "clear-quarantine)", add_help=False)
     sub.add_parser("keys", help="API keys: `kite keys new TENANT`, `kite keys hash [KEY]`", add_help=False)
     sub.add_parser("bench", help="benchmark KITE against peers (see docs/benchmarks.md)", add_help=False)
     sub.add_parser("simulate", help="fleet simulation: real routing, pool index and admission code at 1,000 "

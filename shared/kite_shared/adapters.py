@@ -23,7 +23,11 @@ one adapter are shared by every worker that serves it.
 
 Models are named like vLLM and the OpenAI API do: the adapter's own name, or "<base>:<adapter>".
 
-Pure logic over files: no NATS, no torch.
+Adapters are configured at start (KITE_ADAPTERS, `load_configured`) or loaded and unloaded at run time
+(`kite adapter load|unload`: an AdapterAdminRequest that every fingerprinter and worker answers through
+`answer_admin`, each checking the contract itself).
+
+Pure logic over files and messages: no NATS, no torch.
 """
 
 from __future__ import annotations
@@ -35,8 +39,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import Awaitable, Callable
+
 from kite_shared.config import ModelConfig
 from kite_shared.fingerprint import root_hash
+from kite_shared.messages import AdapterAdminReply, AdapterAdminRequest, ErrorInfo
 from kite_shared.model_store import LocalModel, ModelIdentity, file_digest
 
 log = logging.getLogger(__name__)
@@ -164,18 +171,57 @@ def load_configured(cfg: ModelConfig, local: LocalModel, base: ModelIdentity) ->
     """The adapters KITE_ADAPTERS names that pass the contract, by name. A refused adapter is logged with
     the field at fault and left out: the base and the other adapters keep serving."""
     loaded: dict[str, Adapter] = {}
-    configured = parse_adapter_setting(cfg.adapters)
-    if configured and cfg.engine != "transformers":
-        # Fingerprinters and workers both read this, so neither side offers what the other cannot serve.
-        log.error("KITE_ADAPTERS is served by the transformers engine only so far (KITE_ENGINE=%s): "
-                  "serving the base alone", cfg.engine)
-        return loaded
-    for name, path in configured.items():
+    for name, path in parse_adapter_setting(cfg.adapters).items():
         try:
-            loaded[name] = load_adapter(name, path, base, local, cfg.block_size)
+            loaded[name] = loader(cfg, local, base)(name, path)
         except AdapterRefused as exc:
             log.error("%s", exc)
     return loaded
+
+
+def loader(cfg: ModelConfig, local: LocalModel, base: ModelIdentity) -> Callable[[str, str], Adapter]:
+    """`load(name, path)` for this process's base: the contract check, and the engine's."""
+
+    def load(name: str, path: str) -> Adapter:
+        if cfg.engine != "transformers":
+            # Fingerprinters and workers both check this, so neither side offers what the other cannot serve.
+            raise AdapterRefused(name, "engine", f"adapters are served by the transformers engine only so far "
+                                                 f"(KITE_ENGINE={cfg.engine}): the base serves alone")
+        return load_adapter(name, path, base, local, cfg.block_size)
+
+    return load
+
+
+async def answer_admin(req: AdapterAdminRequest, served: dict[str, Adapter], load: Callable[[str, str], Adapter],
+                       service: str, instance_id: str,
+                       apply: Callable[[str, Adapter | None], Awaitable[None]]) -> AdapterAdminReply:
+    """One fingerprinter's or worker's answer to `kite adapter load|unload`. `served` is what it serves, by
+    name; `apply(name, adapter)` makes the change take effect in the process (adapter None: unload)
+    before `served` says so, and may raise AdapterRefused."""
+
+    def reply(ok: bool, error: ErrorInfo | None = None, fingerprint: str = "") -> AdapterAdminReply:
+        return AdapterAdminReply(service=service, instance_id=instance_id, ok=ok, error=error,
+                                 adapters=sorted(served), model_fingerprint=fingerprint)
+
+    try:
+        if req.op == "unload":
+            if req.name not in served:
+                return reply(False, ErrorInfo(code="model_not_found", param="name",
+                                              message=f"no adapter {req.name!r} is served here"))
+            await apply(req.name, None)
+            del served[req.name]
+            log.info("adapter %s unloaded", req.name)
+            return reply(True)
+        if req.name in served:
+            raise AdapterRefused(req.name, "name", "an adapter of this name is served already: unload it first")
+        adapter = load(req.name, req.path)
+        await apply(req.name, adapter)
+    except AdapterRefused as exc:
+        log.error("%s", exc)
+        return reply(False, ErrorInfo(code="adapter_refused", param=exc.field, message=str(exc)))
+    served[req.name] = adapter
+    log.info("adapter %s loaded from %s (digest %s)", adapter.name, adapter.path, adapter.digest[:16])
+    return reply(True, fingerprint=adapter.identity.fingerprint_hex)
 
 
 def parse_adapter_setting(value: str) -> dict[str, str]:

@@ -179,6 +179,21 @@ SETTINGS: tuple[Setting, ...] = (
             "Byte budget of the worker-local hot cache of recyclable units (LRU).", minimum=0),
     Setting("KITE_WORKER_CACHE_GENERATED", bool, "on", WORKER,
             "Also keep full blocks of generated tokens, so a next chat turn reuses the answer."),
+    Setting("KITE_SHADOW_FRACTION", float, "0.01", WORKER,
+            "Fraction of cache hits a worker re-checks (shadow verification, docs/verification.md): it "
+            "recomputes the prompt without reuse while idle and compares the first-token distributions; "
+            "0 turns it off. Reference engine only so far.", minimum=0.0),
+    Setting("KITE_SHADOW_KL_TOLERANCE", float, "0", WORKER,
+            "KL divergence (nats) of the first token above which a shadow check counts as a divergence; 0 "
+            "takes the default of the KV storage dtype (float32 1e-6, float16 1e-4, bfloat16 5e-3).",
+            minimum=0.0),
+    Setting("KITE_SHADOW_CHUNK_TOKENS", int, "32", WORKER,
+            "Prompt tokens a shadow recomputation computes per idle step: a request arriving meanwhile "
+            "waits at most one such chunk.", minimum=1),
+    Setting("KITE_SHADOW_IDLE_S", float, "0.2", WORKER,
+            "Seconds a worker must have had no request before it spends time on shadow checks: a client "
+            "sending its next request right after an answer then never lands in a shadow chunk.",
+            minimum=0.0),
     Setting("KITE_WORKER_POOL_WRITE", bool, "on", WORKER,
             "Hand newly computed blocks to the ru-pool service (asynchronously)."),
     Setting("KITE_VLLM_KV_CACHE_GIB", float, "1.0", WORKER,
@@ -322,6 +337,10 @@ SETTINGS: tuple[Setting, ...] = (
             minimum=0.01),
     Setting("KITE_ARBITRATOR_MIN_ACTIVE_WORKERS", int, "1", ARBITRATOR,
             "Scale-in never leaves fewer active (non-standby) workers than this.", minimum=0),
+    Setting("KITE_ARBITRATOR_QUARANTINE_DIVERGENCES", int, "1", ARBITRATOR,
+            "Shadow-check divergences of one namespace (model fingerprint) after which the arbitrator "
+            "quarantines it fleet-wide: its blocks become misses and are purged until an operator clears "
+            "it (kite arbitrator clear-quarantine).", minimum=1),
     Setting("KITE_ARBITRATOR_LEASE_S", float, "3", ARBITRATOR,
             "Leader lease of the arbitrator replicas (a JetStream key-value entry): one replica decides; if "
             "it dies another takes over within this plus a third of it.", minimum=0.5),
@@ -529,6 +548,10 @@ class WorkerConfig:
     cache_generated: bool = env("KITE_WORKER_CACHE_GENERATED")
     pool_write: bool = env("KITE_WORKER_POOL_WRITE")
     pool_read: bool = env("KITE_WORKER_POOL_READ")
+    shadow_fraction: float = env("KITE_SHADOW_FRACTION")
+    shadow_kl_tolerance: float = env("KITE_SHADOW_KL_TOLERANCE")
+    shadow_chunk_tokens: int = env("KITE_SHADOW_CHUNK_TOKENS")
+    shadow_idle_s: float = env("KITE_SHADOW_IDLE_S")
     vllm_kv_cache_gib: float = env("KITE_VLLM_KV_CACHE_GIB")
     vllm_enforce_eager: bool = env("KITE_VLLM_ENFORCE_EAGER")
     vllm_max_num_seqs: int = env("KITE_VLLM_MAX_NUM_SEQS")
@@ -542,6 +565,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.write_policy not in ("write_through", "selective", "off"):
             raise ConfigError(f"KITE_WORKER_WRITE_POLICY={self.write_policy!r}: expected write_through, selective or off")
+        if self.shadow_fraction > 1:
+            raise ConfigError(f"KITE_SHADOW_FRACTION={self.shadow_fraction}: a fraction, at most 1")
 
 
 @dataclass(frozen=True)
@@ -610,6 +635,7 @@ class ArbitratorConfig:
     eval_interval_s: float = env("KITE_ARBITRATOR_EVAL_INTERVAL_S")
     min_active_workers: int = env("KITE_ARBITRATOR_MIN_ACTIVE_WORKERS")
     lease_s: float = env("KITE_ARBITRATOR_LEASE_S")
+    quarantine_divergences: int = env("KITE_ARBITRATOR_QUARANTINE_DIVERGENCES")
     telemetry_interval_s: float = env("KITE_TELEMETRY_INTERVAL_S")
     telemetry_window_s: float = env("KITE_TELEMETRY_WINDOW_S")
 

@@ -69,7 +69,8 @@ class LeaderLease:
         return self.leader
 
     async def resign(self) -> None:
-        """Give the lease up now (drain), so another replica takes it at its next hold()."""
+        """Give the lease up now (drain), so another replica takes it at its next hold(); nothing when this
+        replica does not hold it."""
         if not self.leader or self._kv is None:
             return
         self.leader = False
@@ -80,6 +81,7 @@ class LeaderLease:
         try:
             # Bounded: a drain must not wait out JetStream's 5 s default for a bus that goes away meanwhile.
             await asyncio.wait_for(self._kv.delete(KEY, last=self._revision), RESIGN_TIMEOUT_S)
+            log.info("%s lease released", self.name)
         except (nats.js.errors.KeyWrongLastSequenceError, nats.errors.Error, asyncio.TimeoutError) as exc:
             log.info("%s lease not released (%r): it ages out in %.1f s", self.name, exc, self.lease_s)
 

@@ -36,6 +36,11 @@ HEARTBEAT_WILDCARD = f"{PREFIX}.heartbeat.>"
 TELEMETRY_WILDCARD = f"{PREFIX}.telemetry.>"
 # arbitrator -> everyone (no queue group): telemetry.Decision, applied by the service(s) it names
 DECISIONS = f"{PREFIX}.arbitrator.decisions"
+# admin tools -> every fingerprinter and worker (no queue group), request with many replies:
+# messages.AdapterAdminRequest -> one messages.AdapterAdminReply from each
+ADAPTER_ADMIN = f"{PREFIX}.adapters.admin"
+# worker -> arbitrators and ru-pools (no queue group): messages.ShadowCheckResult, one per shadow verification
+SHADOW_RESULTS = f"{PREFIX}.shadow.results"
 # admin tools -> arbitrator, request/reply: telemetry.ArbitratorAdminRequest -> ArbitratorAdminReply
 ARBITRATOR_ADMIN = f"{PREFIX}.arbitrator.admin"
 

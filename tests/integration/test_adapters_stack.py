@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,8 +19,10 @@ from kite_shared import adapters
 from kite_shared.config import ModelConfig, load
 from kite_shared.model_store import identity, prepare
 from kite_shared.tiers.keys import REDIS_KEY_PREFIX, model_tag
+from tests.integration import http_chat
 from tests.integration.conftest import MODEL
-from tests.integration.test_pool_reuse import cached, replace_worker
+from tests.integration.http_chat import answer, cached
+from tests.integration.test_pool_reuse import replace_worker
 from tests.lora_adapters import make_lora_adapters
 
 SYSTEM = {"role": "system", "content": "You are the adapter test assistant. " +
@@ -41,15 +45,7 @@ def adapter_folders(tmp_path_factory):
 
 
 def chat(stack, model: str, question: str, reuse: bool = True) -> dict:
-    r = httpx.post(stack.http_url + "/v1/chat/completions", timeout=180, json={
-        "model": model, "temperature": 0, "max_tokens": 10, "kite": {"reuse": reuse},
-        "messages": [SYSTEM, {"role": "user", "content": question}]})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def answer(response: dict) -> str:
-    return response["choices"][0]["message"]["content"]
+    return http_chat.chat(stack, SYSTEM, question, model=model, reuse=reuse)
 
 
 def wait_for_models(stack, expected: set[str], timeout_s: float = 15.0) -> None:
@@ -120,3 +116,52 @@ def test_an_adapter_refused_at_start_leaves_the_base_serving(fresh_stack_factory
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert answer(chat(stack, MODEL, "Still there?"))
     assert answer(chat(stack, "alpha", "Still there?"))
+
+
+def adapter_cli(stack, *args: str) -> tuple[int, list[dict], str]:
+    done = subprocess.run([sys.executable, "-m", "kite_cli.main", "adapter", *args, "--nats-url", stack.nats.url],
+                          capture_output=True, text=True, timeout=60)
+    return done.returncode, [json.loads(line) for line in done.stdout.splitlines() if line.strip()], done.stderr
+
+
+def test_adapters_load_and_unload_at_run_time(fresh_stack_factory, adapter_folders, tmp_path):
+    setting, _ = adapter_folders
+    folder = dict(item.split("=") for item in setting.split(","))["alpha"]
+    stack = fresh_stack_factory(num_workers=1)
+    code, replies, _ = adapter_cli(stack, "load", "alpha", folder)
+    assert code == 0 and sorted(r["service"] for r in replies) == ["fingerprinter", "worker"]
+    assert all(r["ok"] and r["adapters"] == ["alpha"] for r in replies)
+    assert len({r["model_fingerprint"] for r in replies}) == 1  # both sides hash under one identity
+    wait_for_models(stack, {"alpha", f"{MODEL}:alpha"})
+    question = "Which river flows through Paris?"
+    chat(stack, "alpha", question)
+    on = chat(stack, "alpha", question)
+    assert cached(on) > 0 and answer(on) == answer(chat(stack, "alpha", question, reuse=False))
+
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    declaration = json.loads((bad / adapters.DECLARATION_FILE).read_text())
+    declaration["base"]["kv_layout"]["num_kv_heads"] = 8
+    (bad / adapters.DECLARATION_FILE).write_text(json.dumps(declaration))
+    code, replies, _ = adapter_cli(stack, "load", "bad", str(bad))
+    assert code == 1 and replies and all(not r["ok"] for r in replies)
+    assert {r["error"]["param"] for r in replies} == {"base.kv_layout.num_kv_heads"}
+    code, replies, _ = adapter_cli(stack, "load", "alpha", folder)  # served already
+    assert code == 1 and {r["error"]["param"] for r in replies} == {"name"}
+
+    code, replies, _ = adapter_cli(stack, "unload", "alpha")
+    assert code == 0 and all(r["adapters"] == [] for r in replies)
+    deadline = time.monotonic() + 15
+    while True:
+        r = httpx.post(stack.http_url + "/v1/chat/completions", timeout=60, json={
+            "model": "alpha", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+        if r.status_code == 404 or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert answer(chat(stack, MODEL, question))  # the base serves on
+    # Loaded again: the same content, the same namespace, and the pool still holds its blocks.
+    code, _, _ = adapter_cli(stack, "load", "alpha", folder)
+    assert code == 0
+    wait_for_models(stack, {"alpha"})
+    assert answer(chat(stack, "alpha", question)) == answer(on)

@@ -102,3 +102,28 @@ def test_an_adapter_the_worker_does_not_serve_is_refused(setup):
     with pytest.raises(RequestRejected) as refused:
         engine.new_sequence(crossed)
     assert refused.value.code == "model_mismatch"
+
+
+def test_an_adapter_loaded_at_run_time_answers_as_a_configured_one_also_after_a_reload(setup):
+    local, base, served, tok, _ = setup
+    configured = make_engine(setup)
+    ids = tok.apply_chat_template([{"role": "user", "content": "Which river flows through Paris?"}],
+                                  add_generation_prompt=True, tokenize=True, return_dict=False)
+    expected = {name: run(configured, ids, name, reuse=False).generated for name in ("", "alpha", "beta")}
+    engine = Engine(load_causal_lm(local, load(ModelConfig, engine="transformers", block_size=BLOCK)), tok, base,
+                    BlockCache(1 << 30), EngineOptions(block_size=BLOCK, storage_dtype=torch.float16,
+                                                       prefill_chunk_tokens=512), local.max_context_tokens)
+    assert run(engine, ids, "", reuse=False).generated == expected[""]  # a plain model, no peft yet
+    engine.add_adapter(served["alpha"])
+    engine.add_adapter(served["beta"])
+    for name in ("alpha", "", "beta"):
+        assert run(engine, ids, name, reuse=False).generated == expected[name], name
+    stored = []
+    run(engine, ids, "alpha", reuse=True, stored=stored)
+    engine.remove_adapter("alpha")
+    with pytest.raises(RequestRejected):
+        engine.new_sequence(request(configured, ids, "alpha", reuse=True))
+    assert stored and not {bytes(b.block_hash) for b in stored} & set(engine.block_cache.keys())  # dropped
+    engine.add_adapter(served["alpha"])  # peft drops the old weights and loads them anew
+    for name in ("alpha", "beta", ""):
+        assert run(engine, ids, name, reuse=False).generated == expected[name], name

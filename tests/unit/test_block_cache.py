@@ -50,3 +50,15 @@ def test_events_name_the_fingerprint_each_block_was_stored_under():
     assert cache.take_events() == [CacheEvent("stored", H[0], FP), CacheEvent("stored", H[1], ADAPTER_FP),
                                    CacheEvent("removed", H[0], FP), CacheEvent("stored", H[2], FP),
                                    CacheEvent("removed", H[1], ADAPTER_FP), CacheEvent("removed", H[2], FP)]
+
+
+def test_drop_model_removes_one_fingerprints_blocks_only():
+    cache = BlockCache(capacity_bytes=10 * 512)
+    cache.put(H[0], BLOCK, FP)
+    cache.put(H[1], BLOCK, ADAPTER_FP)
+    cache.put(H[2], BLOCK, FP)
+    cache.take_events()
+    assert cache.drop_model(FP) == 2
+    assert list(cache.keys()) == [H[1]] and cache.num_bytes == 512
+    assert cache.take_events() == [CacheEvent("removed", H[0], FP), CacheEvent("removed", H[2], FP)]
+    assert cache.drop_model(FP) == 0

@@ -18,8 +18,8 @@ from kite_ru_pool.maintenance import Maintenance
 from kite_ru_pool.tier_io import TierIO
 from kite_shared import subjects
 from kite_shared.messages import (
-    BlockRemoved, BlockStored, Heartbeat, ModelFingerprintChanged, PoolAdminReply, PoolAdminRequest,
-    PoolGetReply, PoolGetRequest, PoolLookupReply, PoolLookupRequest,
+    BlockRemoved, BlockStored, Decision, Heartbeat, ModelFingerprintChanged, PoolAdminReply, PoolAdminRequest,
+    PoolGetReply, PoolGetRequest, PoolLookupReply, PoolLookupRequest, ShadowCheckResult,
 )
 from kite_shared.recyclable_unit import RecyclableUnit
 from kite_shared.tiers.client import TierClient
@@ -163,3 +163,49 @@ async def test_pins_and_evictions_of_hot_blocks(op):
     assert reply.ok and reply.affected == 2
     assert pool.core.is_pinned(BlockKey.of(FP, blocks[0][0])) == (op == "pin")
     assert pool.core.num_blocks() == (2 if op == "pin" else 0)
+
+
+def quarantine(quarantined: bool, fp: str = FP) -> bytes:
+    return Decision(decision_id="d", action="quarantine", target=fp, namespace="m:alpha",
+                    quarantined=quarantined, reason="test").encode()
+
+
+def shadow(diverged: bool, fp: str = FP) -> bytes:
+    return ShadowCheckResult(instance_id="w1", model_fingerprint=fp, namespace="m:alpha", request_id="r",
+                             num_reused_tokens=32, divergence=2.0 if diverged else 0.0, tolerance=1e-4,
+                             diverged=diverged).encode()
+
+
+async def test_a_quarantined_namespace_is_a_miss_refuses_puts_and_is_purged_until_lifted():
+    pool = Pool()
+    blocks, others = chain(2), chain(2, FP2)
+    for _, unit in blocks + others:
+        await pool.ask(subjects.POOL_PUT, unit)
+    await pool.ask(subjects.MODEL_FINGERPRINT, ModelFingerprintChanged(model_name="m:alpha",
+                                                                       model_fingerprint=FP).encode())
+    hashes = [h for h, _ in blocks]
+    await pool.ask(subjects.POOL_GET, PoolGetRequest(model_fingerprint=FP, block_hashes=hashes).encode())
+    await pool.ask(subjects.SHADOW_RESULTS, shadow(False))
+    await pool.ask(subjects.SHADOW_RESULTS, shadow(True))
+    await pool.ask(subjects.DECISIONS, quarantine(True))
+    assert (await pool.ask(subjects.POOL_LOOKUP, lookup(FP, hashes))).invalidated
+    assert pool.core.num_blocks() == 2  # the other namespace keeps its blocks
+    await pool.ask(subjects.POOL_PUT, blocks[0][1])
+    assert pool.core.counters.refused_invalidated == 1
+    await asyncio.wait_for(pool.background.drain(), 5)
+    assert model_tag(FP) not in pool.core.pending_purges
+    # The fingerprinter announcing the namespace again (a restart) does not lift it; an operator does.
+    await pool.ask(subjects.MODEL_FINGERPRINT, ModelFingerprintChanged(model_name="m:alpha",
+                                                                       model_fingerprint=FP).encode())
+    assert (await pool.ask(subjects.POOL_LOOKUP, lookup(FP, hashes))).invalidated
+    stats = await pool.ask(subjects.POOL_ADMIN, PoolAdminRequest(op="stats").encode())
+    audit = stats.namespaces[model_tag(FP)]
+    assert (audit.name, audit.blocks, audit.blocks_served, audit.shadow_checks, audit.divergences,
+            audit.quarantined) == ("m:alpha", 0, 2, 2, 1, True)
+    assert stats.namespaces[model_tag(FP2)].blocks == 2 and not stats.namespaces[model_tag(FP2)].quarantined
+    await pool.ask(subjects.DECISIONS, quarantine(False))
+    assert not (await pool.ask(subjects.POOL_LOOKUP, lookup(FP, hashes))).invalidated
+    await pool.ask(subjects.POOL_PUT, blocks[0][1])
+    assert (await pool.ask(subjects.POOL_LOOKUP, lookup(FP, hashes))).pool == 1
+    stats = await pool.ask(subjects.POOL_ADMIN, PoolAdminRequest(op="stats").encode())
+    assert not stats.namespaces[model_tag(FP)].quarantined

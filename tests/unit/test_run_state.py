@@ -155,11 +155,12 @@ def test_arbitrator_admin_uses_the_running_stack_without_flags(clean_env, monkey
     write_state(default_state_file(), state(nats_url="nats://127.0.0.1:41236"))
     urls = []
 
-    def fake_admin(url, op, mode):
-        urls.append(url)
+    def fake_admin(url, op, mode, model_fingerprint=""):
+        urls.append((url, op, model_fingerprint))
         return arbitrator_admin.ArbitratorAdminReply(ok=True)
 
     monkeypatch.setattr(arbitrator_admin, "admin", fake_admin)
-    monkeypatch.setattr(sys, "argv", ["arbitrator_admin", "status"])
-    arbitrator_admin.main()
-    assert urls == ["nats://127.0.0.1:41236"]
+    assert kite_main.main(["arbitrator", "status"]) == 0
+    assert kite_main.main(["arbitrator", "clear-quarantine", "ab" * 32]) == 0
+    assert urls == [("nats://127.0.0.1:41236", "status", ""),
+                    ("nats://127.0.0.1:41236", "clear_quarantine", "ab" * 32)]

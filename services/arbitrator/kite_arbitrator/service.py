@@ -40,10 +40,13 @@ from kite_shared.config import ArbitratorConfig
 from kite_shared.endpoints import Endpoint, Refusal
 from kite_shared.lease import LeaderLease
 from kite_shared.messages import (ROUTING_MODES, TELEMETRY, AnyTelemetry, ArbitratorAdminReply,
-                                  ArbitratorAdminRequest, ArbitratorTelemetry, Decision, ErrorInfo, Heartbeat)
+                                  ArbitratorAdminRequest, ArbitratorTelemetry, Decision, ErrorInfo, Heartbeat,
+                                  ShadowCheckResult)
 from kite_shared.service import ServiceRuntime
 from kite_shared.window import TimeWindow
 from kite_arbitrator.core import ArbitratorCore
+from kite_arbitrator.quarantine import QuarantineBook
+from kite_arbitrator.quarantine_store import QuarantineStore
 from kite_arbitrator.rules import DEFAULT_RULES_PATH, RulesError, load_rules, parse_rules
 
 log = logging.getLogger("kite_arbitrator")
@@ -79,6 +82,8 @@ class ArbitratorService:
                                    stale_s=cfg.stale_s, ttft_slo_s=cfg.ttft_slo_s,
                                    min_active_workers=cfg.min_active_workers, started_at=time.time())
         self.core.set_rules(rules, version, time.time())
+        self.quarantine = QuarantineBook(cfg.quarantine_divergences)
+        self.quarantine_store = QuarantineStore(rt.nc)
         self.live: dict[str, Heartbeat] = {}
         self.latencies: deque[float] = deque(maxlen=10_000)  # seconds, telemetry -> decision published
         # Over the telemetry window (ArbitratorTelemetry): one sample per decision published, in ms.
@@ -93,7 +98,8 @@ class ArbitratorService:
         await self.rt.serve(
             Endpoint(subjects.HEARTBEAT_WILDCARD, Heartbeat.decode, self.on_heartbeat),
             Endpoint(subjects.TELEMETRY_WILDCARD, TELEMETRY.decode, self.on_telemetry),
-            Endpoint(subjects.DECISIONS, Decision.decode, self.on_decision))
+            Endpoint(subjects.DECISIONS, Decision.decode, self.on_decision),
+            Endpoint(subjects.SHADOW_RESULTS, ShadowCheckResult.decode, self.on_shadow_result))
         await self._keep_lease()  # lead at once when no other replica does
         self.rt.every(self.lease.renew_interval_s, self._keep_lease, "arbitrator leader lease")
         self.rt.every(self.cfg.eval_interval_s, self._evaluate, "periodic evaluation")
@@ -114,7 +120,10 @@ class ArbitratorService:
             self._admin_subscriptions = await self.rt.serve(Endpoint(
                 subjects.ARBITRATOR_ADMIN, ArbitratorAdminRequest.decode, self.admin, queue="arbitrator",
                 refuse=lambda error: ArbitratorAdminReply(ok=False, error=error.message)))
+            for decision in await self.quarantine_store.load():  # kept across every replica's restart
+                self.quarantine.adopt(decision)
             await self._evaluate()
+            await self._publish(self.quarantine.current())
         else:
             log.warning("another arbitrator leads now: following")
             for subscription in self._admin_subscriptions:
@@ -123,15 +132,26 @@ class ArbitratorService:
             self.core.current.clear()  # should this replica lead again, it announces everything anew
 
     async def _resign(self) -> None:
-        if self.leader:
-            self.leader = False
-            await self.lease.resign()
-            log.info("arbitrator lease released")
+        self.leader = False
+        await self.lease.resign()
 
     async def on_decision(self, d: Decision) -> None:
-        """A follower keeps the leader's routing mode override, so a takeover does not drop it."""
-        if not self.leader and d.action == "routing":
+        """A follower keeps the leader's routing mode override and quarantines, so a takeover keeps them."""
+        if self.leader:
+            return
+        if d.action == "routing":
             self.core.routing_mode_override = d.routing_mode
+        self.quarantine.adopt(d)
+
+    async def on_shadow_result(self, result: ShadowCheckResult) -> None:
+        """Every replica counts shadow checks (a new leader knows the history); the leader quarantines."""
+        RECEIVED.labels(result.KIND).inc()
+        decisions = self.quarantine.observe(result)
+        if decisions and self.leader:
+            log.error("quarantining namespace %s (%s): %s", decisions[0].namespace, result.model_fingerprint[:16],
+                      decisions[0].reason)
+            await self._publish(decisions)
+            await self.quarantine_store.save(decisions[0])
 
     async def on_heartbeat(self, beat: Heartbeat) -> None:
         if beat.instance_id not in self.live:
@@ -198,7 +218,7 @@ class ArbitratorService:
     async def _refresh(self) -> None:
         if not self.leader:
             return
-        for d in self.core.current_decisions():
+        for d in self.core.current_decisions() + self.quarantine.current():
             await self.rt.nc.publish(subjects.DECISIONS, d.model_copy(update={"refresh": True}).encode())
 
     # --- rules ------------------------------------------------------------------------------------
@@ -244,12 +264,21 @@ class ArbitratorService:
                                         message=f"unknown routing mode {req.routing_mode!r}; "
                                                 f"one of {', '.join(ROUTING_MODES)}"))
             await self._publish(self.core.set_routing_mode(req.routing_mode, time.time()))
+        elif req.op == "clear_quarantine":
+            cleared = self.quarantine.clear(req.model_fingerprint)
+            if not cleared:
+                raise Refusal(ErrorInfo(code="not_quarantined", param="model_fingerprint",
+                                        message=f"no quarantine in force for {req.model_fingerprint!r}"))
+            log.warning("quarantine of %s lifted by an operator", cleared[0].namespace)
+            await self._publish(cleared)
+            await self.quarantine_store.remove(req.model_fingerprint)
         samples = sorted(self.latencies)
 
         def pct(q: float) -> float:
             return round(1000 * samples[min(len(samples) - 1, int(q * len(samples)))], 3) if samples else 0.0
         return ArbitratorAdminReply(
             ok=ok, error=error, rules_version=self.core.rules_version, rules_source=str(self.rules_path),
-            current=[d for d, _ in self.core.current.values()], decision_latency_p50_ms=pct(0.5),
+            current=[d for d, _ in self.core.current.values()] + self.quarantine.current(),
+            decision_latency_p50_ms=pct(0.5),
             decision_latency_p99_ms=pct(0.99), decision_latency_samples=len(samples),
             activation_latencies_s=dict(self.core.activation_latencies), stale=self.core.stale)

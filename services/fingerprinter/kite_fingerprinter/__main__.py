@@ -21,15 +21,23 @@ def build_core(model_cfg: ModelConfig, cfg: FingerprinterConfig) -> Fingerprinte
         adapters=adapters.load_configured(model_cfg, local, identity))
 
 
+def adapter_loader(model_cfg: ModelConfig):
+    """`kite adapter load`'s check for this fingerprinter's base."""
+    local = model_store.prepare(model_cfg)
+    return adapters.loader(model_cfg, local, model_store.identity(local, model_cfg))
+
+
 def main() -> None:
     exit_on_signal_until_connected("fingerprinter")  # loading the tokenizer may take a while
     cfg = load(FingerprinterConfig)
-    core = build_core(load(ModelConfig), cfg)
+    model_cfg = load(ModelConfig)
+    core = build_core(model_cfg, cfg)
+    load_adapter = adapter_loader(model_cfg)
     if cfg.metrics_port:
         start_http_server(cfg.metrics_port, addr="0.0.0.0")
 
     async def setup(rt: ServiceRuntime) -> None:
-        await FingerprinterService(rt, core, cfg).start()
+        await FingerprinterService(rt, core, cfg, load_adapter).start()
 
     run_service("fingerprinter", setup)
 

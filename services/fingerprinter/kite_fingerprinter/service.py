@@ -11,10 +11,14 @@ import time
 
 from prometheus_client import Histogram
 
-from kite_shared import subjects
+from typing import Callable
+
+from kite_shared import adapters, subjects
+from kite_shared.adapters import Adapter
 from kite_shared.config import FingerprinterConfig
 from kite_shared.endpoints import Endpoint, Refusal
-from kite_shared.messages import Admission, ErrorInfo, FingerprinterTelemetry, GenerateRequest
+from kite_shared.messages import (AdapterAdminReply, AdapterAdminRequest, Admission, ErrorInfo,
+                                  FingerprinterTelemetry, GenerateRequest)
 from kite_shared.service import ServiceRuntime
 from kite_shared.tiers.pool_client import PoolClient
 from kite_shared.tracing import headers_with_context
@@ -30,10 +34,13 @@ TOKENIZE_SECONDS = Histogram("kite_tokenize_seconds", "Chat template + tokenizat
 
 
 class FingerprinterService:
-    def __init__(self, rt: ServiceRuntime, core: Fingerprinter, cfg: FingerprinterConfig) -> None:
+    def __init__(self, rt: ServiceRuntime, core: Fingerprinter, cfg: FingerprinterConfig,
+                 load_adapter: Callable[[str, str], Adapter] | None = None) -> None:
+        """`load_adapter(name, path)`: adapters.loader for this base (None: `kite adapter load` refused)."""
         self.rt = rt
         self.core = core
         self.cfg = cfg
+        self.load_adapter = load_adapter
         # issue 5: cache-aware routing to a worker's own subject (queue group as the fallback)
         self.router = Router(rt.nc, cfg, cfg.admit_timeout_s)
         window = cfg.telemetry_window_s
@@ -49,13 +56,28 @@ class FingerprinterService:
         await self.rt.serve(
             Endpoint(subjects.FINGERPRINT, GenerateRequest.decode, self.admit, queue=subjects.FINGERPRINTER_QUEUE,
                      refuse=lambda error: Admission(accepted=False, error=error), span="kite.fingerprinter.admit"),
+            Endpoint(subjects.ADAPTER_ADMIN, AdapterAdminRequest.decode, self.adapter_admin,
+                     refuse=lambda error: AdapterAdminReply(service="fingerprinter", instance_id=self.rt.instance_id,
+                                                            ok=False, error=error)),
             *self.router.endpoints())
         self.rt.publish_every(self.cfg.telemetry_interval_s, subjects.telemetry("fingerprinter"), self.telemetry)
         # Freshness: the ru-pool stops serving (and purges) blocks of any earlier fingerprint of this model.
-        pool = PoolClient(self.rt.nc)
-        await pool.model_fingerprint_changed(self.core.model_name, self.core.identity.fingerprint_hex)
+        self.pool = PoolClient(self.rt.nc)
+        await self.pool.model_fingerprint_changed(self.core.model_name, self.core.identity.fingerprint_hex)
         for name, adapter in self.core.adapters.items():  # an adapter whose content changed: likewise
-            await pool.model_fingerprint_changed(f"{self.core.model_name}:{name}", adapter.identity.fingerprint_hex)
+            await self._announce(name, adapter)
+
+    async def _announce(self, name: str, adapter: Adapter | None) -> None:
+        if adapter is not None:
+            await self.pool.model_fingerprint_changed(f"{self.core.model_name}:{name}",
+                                                      adapter.identity.fingerprint_hex)
+
+    async def adapter_admin(self, req: AdapterAdminRequest) -> AdapterAdminReply:
+        """`kite adapter load|unload`: requests name the adapter (and are hashed under it) from now on."""
+        if self.load_adapter is None:
+            raise Refusal(ErrorInfo(code="unsupported", message="this fingerprinter loads no adapters"))
+        return await adapters.answer_admin(req, self.core.adapters, self.load_adapter, "fingerprinter",
+                                           self.rt.instance_id, self._announce)
 
     async def admit(self, request: GenerateRequest) -> Admission:
         started = time.perf_counter()

@@ -256,6 +256,23 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
             permit.refund()  # refused before any token was computed
             raise
 
+    async def generate(request: Request, permit: Permit, params: list[GenerationParams], id_prefix: str,
+                       stream_events) -> Response | tuple[str, dict[str, str], list]:
+        """Open every generation, then stream them (`stream_events(response id, generations, started)`
+        gives the SSE events), or collect them: (response id, headers, [(text, StreamEnd)]) for the JSON
+        answer the caller builds. A client gone first gets nothing (499)."""
+        started = time.monotonic()
+        generations = await open_all(permit, params)
+        response_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        headers = {**permit.headers, **_worker_header(generations)}
+        if stream_events:
+            return _sse(stream_events(response_id, generations, started), headers)
+        results = await _unless_disconnected(request, asyncio.gather(*(collect(g) for g in generations)))
+        if results is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        _observe([end for _, end in results], generations, started)
+        return response_id, headers, results
+
     @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest, max_n, model_name),
               responses=generation_responses)
     async def chat_completions(request: Request) -> Response:
@@ -264,16 +281,12 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
         params = chat_params(body, tenant)
         permit = rate_permit(limiter, tenant, limiter.estimate_tokens(
             *prompt_size(params), max_tokens=body.resolved_max_tokens, choices=body.n))
-        started = time.monotonic()
-        generations = await open_all(permit, [params] * body.n)
-        response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        headers = {**permit.headers, **_worker_header(generations)}
-        if body.stream:
-            return _sse(_chat_stream(response_id, body, generations, started, permit), headers)
-        results = await _unless_disconnected(request, asyncio.gather(*(collect(g) for g in generations)))
-        if results is None:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        _observe([end for _, end in results], generations, started)
+        answered = await generate(request, permit, [params] * body.n, "chatcmpl", body.stream and (
+            lambda response_id, generations, started: _chat_stream(response_id, body, generations, started,
+                                                                    permit)))
+        if isinstance(answered, Response):
+            return answered
+        response_id, headers, results = answered
         usage = usage_body([end for _, end in results])
         permit.settle(usage["total_tokens"])
         return JSONResponse({
@@ -299,17 +312,13 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
             params += [one] * body.n
             tokens += limiter.estimate_tokens(*prompt_size(one), max_tokens=body.max_tokens, choices=body.n)
         permit = rate_permit(limiter, tenant, tokens)
-        started = time.monotonic()
-        generations = await open_all(permit, params)
-        response_id = f"cmpl-{uuid.uuid4().hex}"
-        headers = {**permit.headers, **_worker_header(generations)}
-        if body.stream:
-            return _sse(_completion_stream(response_id, body, generations, started, permit), headers)
-        results = await _unless_disconnected(request, asyncio.gather(*(collect(g) for g in generations)))
-        if results is None:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        answered = await generate(request, permit, params, "cmpl", body.stream and (
+            lambda response_id, generations, started: _completion_stream(response_id, body, generations,
+                                                                          started, permit)))
+        if isinstance(answered, Response):
+            return answered
+        response_id, headers, results = answered
         ends = [end for _, end in results]
-        _observe(ends, generations, started)
         usage = batch_usage_body([ends[i:i + body.n] for i in range(0, len(ends), body.n)])
         permit.settle(usage["total_tokens"])
         return JSONResponse({

@@ -138,4 +138,5 @@ class PoolAdmin:
                                   quota_bytes=core.quota_of(t), quota_evictions=ledger.quota_evictions,
                                   quota_refused=ledger.quota_refused)
                    for t, ledger in largest}
-        return PoolAdminReply(ok=True, tiers=tiers, counters=counters, tenants=tenants)
+        return PoolAdminReply(ok=True, tiers=tiers, counters=counters, tenants=tenants,
+                              namespaces=core.namespaces.stats(core.blocks_by_tag()) if with_tenants else {})

@@ -27,6 +27,7 @@ from kite_shared.tiers.hot import HotLRU
 from kite_shared.tiers.keys import BlockKey, model_tag
 from kite_ru_pool.counters import Counters
 from kite_ru_pool.hot_tier import HotTier
+from kite_ru_pool.namespaces import NamespaceAudit
 from kite_ru_pool.index import (  # noqa: F401  (re-exported: the core's vocabulary in one import)
     ALL_TAGS, COLD, HOT, TIER_BITS, TIER_LETTER, WARM, BlockIndex, Entry, fold_totals)
 from kite_ru_pool.lifecycle import (  # noqa: F401  (re-exported)
@@ -59,6 +60,10 @@ class PoolCore:
         self.hot_tier = HotTier(hot_bytes, self.index, self.counters)
         self.hot: HotLRU = self.hot_tier.lru
         self.workers = WorkerCaches()
+        self.namespaces = NamespaceAudit()
+        # Tags the arbitrator quarantined (also in index.invalidated while it lasts): kept apart from
+        # invalidations by a model change, which no operator lifts.
+        self.quarantined: set[str] = set()
         self.archive_after_s = archive_after_s
         self.warm_ttl_s = warm_ttl_s
         self.cold_ttl_s = cold_ttl_s
@@ -292,7 +297,34 @@ class PoolCore:
         tags = self.index.fingerprint_changed(name, fingerprint, previous)
         for tag in tags:
             self.invalidate_tag(tag)
+        self.namespaces.named(model_tag(fingerprint), name)
+        if model_tag(fingerprint) in self.quarantined:  # announcing a namespace does not lift its quarantine
+            self.index.invalidated.add(model_tag(fingerprint))
         return tags
+
+    def quarantine(self, tag: str, name: str) -> bool:
+        """Serve nothing of this namespace (its reused KV diverged from recomputation): drop it now, its
+        storage is purged later (by the leading replica). Returns False when it was quarantined already."""
+        if tag in self.quarantined:
+            return False
+        self.quarantined.add(tag)
+        self.invalidate_tag(tag)
+        self.namespaces.set_quarantined(tag, name, True)
+        return True
+
+    def lift_quarantine(self, tag: str, name: str) -> bool:
+        """An operator cleared the namespace: its blocks are stored and served again as they are
+        recomputed. A tag invalidated by a model change stays so (only a current fingerprint returns)."""
+        if tag not in self.quarantined:
+            return False
+        self.quarantined.discard(tag)
+        if tag in {model_tag(fp) for fp in self.index.current.values()}:
+            self.index.invalidated.discard(tag)
+        self.namespaces.set_quarantined(tag, name, False)
+        return True
+
+    def blocks_by_tag(self) -> dict[str, int]:
+        return {tag: len(blocks) for tag, blocks in self.index.models.items()}
 
     def invalidate_tag(self, tag: str) -> None:
         """Never serve this tag again; drop its index and hot entries now, storage is purged later."""

@@ -17,6 +17,8 @@ counts; handlers here return the reply (None for events) or raise Refusal.
     kite.v1.pool.block_events    -         none                block_event
     kite.v1.model.fingerprint    -         none                model_fingerprint
     kite.v1.heartbeat.worker     -         none                worker_heartbeat
+    kite.v1.arbitrator.decisions -         none                decision (quarantine only)
+    kite.v1.shadow.results       -         none                shadow_result (the namespace audit)
 
 The queue-group subjects (`shared_endpoints`) are what clients use: any replica answers, each holding the
 whole index. The others (`own_endpoints`) reach every replica: worker events and fingerprints, so each
@@ -38,8 +40,8 @@ from prometheus_client import Histogram
 from kite_shared import security, subjects
 from kite_shared.endpoints import Endpoint
 from kite_shared.messages import (
-    BLOCK_EVENT, BlockRemoved, BlockStored, Heartbeat, ModelFingerprintChanged, PoolAdminReply,
-    PoolAdminRequest, PoolGetReply, PoolGetRequest, PoolLookupReply, PoolLookupRequest,
+    BLOCK_EVENT, BlockRemoved, BlockStored, Decision, Heartbeat, ModelFingerprintChanged, PoolAdminReply,
+    PoolAdminRequest, PoolGetReply, PoolGetRequest, PoolLookupReply, PoolLookupRequest, ShadowCheckResult,
 )
 from kite_shared.tiers import metrics
 from kite_shared.tiers.block_stream import BlockStreamServer
@@ -103,6 +105,8 @@ class PoolHandlers:
             Endpoint(subjects.POOL_BLOCK_EVENTS, BLOCK_EVENT.decode, self.block_event),
             Endpoint(subjects.MODEL_FINGERPRINT, ModelFingerprintChanged.decode, self.model_fingerprint),
             Endpoint(subjects.heartbeat("worker"), Heartbeat.decode, self.worker_heartbeat),
+            Endpoint(subjects.DECISIONS, Decision.decode, self.decision),
+            Endpoint(subjects.SHADOW_RESULTS, ShadowCheckResult.decode, self.shadow_result),
         ] + self._block_path("", {op: subjects.pool_replica(self.instance_id, op)
                                   for op in subjects.POOL_REPLICA_OPS})
 
@@ -136,6 +140,8 @@ class PoolHandlers:
             budget = min(budget, req.max_bytes)
         found = await self.io.get_blocks(req.model_fingerprint, req.block_hashes, budget,
                                          security.tenant_tag(req.tenant))
+        if found.units:
+            self.core.namespaces.served(model_tag(req.model_fingerprint), len(found.units))
         if handoff and found.units:
             return await self._hand_off(found, min(budget, inline_budget))
         if stream and found.units:
@@ -195,6 +201,24 @@ class PoolHandlers:
                      ", purging in the background" if leading else " (the leading replica purges them)")
             if leading:
                 self.maintenance.purge_in_background()
+
+
+    async def decision(self, d: Decision) -> None:
+        """The arbitrator's quarantine decisions (every replica applies them; the leader purges)."""
+        if d.action != "quarantine" or d.quarantined is None:
+            return
+        tag = model_tag(d.target)
+        if d.quarantined and self.core.quarantine(tag, d.namespace):
+            leading = self.maintenance.leading()
+            log.error("namespace %s (%s) quarantined: its blocks are misses%s (%s)", d.namespace, tag,
+                      ", purging them" if leading else "; the leading replica purges them", d.reason)
+            if leading:
+                self.maintenance.purge_in_background()
+        elif not d.quarantined and self.core.lift_quarantine(tag, d.namespace):
+            log.warning("namespace %s (%s): quarantine lifted (%s)", d.namespace, tag, d.reason)
+
+    async def shadow_result(self, result: ShadowCheckResult) -> None:
+        self.core.namespaces.shadow_checked(model_tag(result.model_fingerprint), result.namespace, result.diverged)
 
 
 def _inline(found: FoundBlocks, count: int) -> PoolGetReply:

@@ -212,10 +212,8 @@ class Replicas:
             log.warning("another ru-pool replica runs the maintenance now")
 
     async def resign(self) -> None:
-        if self._leader:
-            self._leader = False
-            await self.lease.resign()
-            log.info("maintenance lease released")
+        self._leader = False
+        await self.lease.resign()  # says so in the log ("ru-pool lease released")
 
     # --- peers --------------------------------------------------------------------------------------------
     async def on_heartbeat(self, beat: Heartbeat) -> None:

@@ -15,7 +15,7 @@ from prometheus_client import start_http_server
 from kite_shared import adapters, model_store, subjects
 from kite_shared.config import CommonConfig, ModelConfig, WorkerConfig, default_instance_id, load
 from kite_shared.endpoints import Endpoint
-from kite_shared.messages import Admission, Cancel, Decision, ErrorInfo, TokenizedRequest
+from kite_shared.messages import AdapterAdminRequest, Admission, Cancel, Decision, ErrorInfo, TokenizedRequest
 from kite_shared.service import ServiceRuntime, exit_on_signal_until_connected, run_service
 from kite_worker.block_cache import BlockCache
 from kite_worker.engine import Engine, EngineOptions
@@ -47,7 +47,7 @@ def load_engine(model_cfg: ModelConfig, worker_cfg: WorkerConfig, instance_id: s
         max_context_tokens=local.max_context_tokens,
         adapters=served_adapters,
     )
-    return LoadedModel(local, identity, engine, served_adapters)
+    return LoadedModel(local, identity, engine, served_adapters, adapters.loader(model_cfg, local, identity))
 
 
 def refused(error: ErrorInfo) -> Admission:
@@ -61,6 +61,7 @@ async def start_worker(rt: ServiceRuntime, loaded: LoadedModel, cfg: WorkerConfi
     await rt.serve(
         Endpoint(subjects.WORKER_CANCEL, Cancel.decode, worker.cancel),
         Endpoint(subjects.DECISIONS, Decision.decode, worker.control.on_decision),
+        Endpoint(subjects.ADAPTER_ADMIN, AdapterAdminRequest.decode, worker.adapter_admin, refuse=worker.adapter_reply),
     )
     # Subscribed while the worker takes requests: not on standby, not draining (WorkerService.join/leave).
     worker.take_requests_on(

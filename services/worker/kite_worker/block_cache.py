@@ -56,8 +56,9 @@ class BlockCache:
             blocks.append(self._blocks[h])
         return blocks
 
-    def put(self, block_hash: BlockHash, block: torch.Tensor, model_fingerprint: str) -> bool:
-        """Insert a block; returns False when it was already present or can never fit."""
+    def put(self, block_hash: BlockHash, block: torch.Tensor, model_fingerprint: str = "") -> bool:
+        """Insert a block; returns False when it was already present or can never fit. The fingerprint is
+        kept only when given (the fleet simulator serves one model and keeps 10^7 blocks)."""
         if block_hash in self._blocks:
             self._blocks.move_to_end(block_hash)
             return False
@@ -68,16 +69,27 @@ class BlockCache:
             old_hash, old = self._blocks.popitem(last=False)
             self.num_bytes -= old.numel() * old.element_size()
             self.num_evictions += 1
-            self._events.append(CacheEvent("removed", old_hash, self._fingerprints.pop(old_hash)))
+            self._events.append(CacheEvent("removed", old_hash, self._fingerprints.pop(old_hash, "")))
         self._blocks[block_hash] = block
-        self._fingerprints[block_hash] = model_fingerprint
+        if model_fingerprint:
+            self._fingerprints[block_hash] = model_fingerprint
         self.num_bytes += size
         self._events.append(CacheEvent("stored", block_hash, model_fingerprint))
         return True
 
+    def drop_model(self, model_fingerprint: str) -> int:
+        """Remove every block of one model fingerprint (a quarantined namespace); returns how many."""
+        doomed = [h for h, fp in self._fingerprints.items() if fp == model_fingerprint]
+        for h in doomed:
+            block = self._blocks.pop(h)
+            self.num_bytes -= block.numel() * block.element_size()
+            del self._fingerprints[h]
+            self._events.append(CacheEvent("removed", h, model_fingerprint))
+        return len(doomed)
+
     def clear(self) -> None:
         for h in self._blocks:
-            self._events.append(CacheEvent("removed", h, self._fingerprints[h]))
+            self._events.append(CacheEvent("removed", h, self._fingerprints.get(h, "")))
         self._blocks.clear()
         self._fingerprints.clear()
         self.num_bytes = 0

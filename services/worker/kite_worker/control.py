@@ -8,7 +8,8 @@
 - Decisions (kite.v1.arbitrator.decisions) for this worker or "*": `write_policy` sets the Upcycle write
   policy (kite_worker.write_policy); `warm_capacity` activates a standby worker (KITE_WORKER_STANDBY: model
   loaded, not taking requests) or scales one in (requests in flight finish). Activation latency = decision
-  issued -> first request accepted, reported in telemetry and logged.
+  issued -> first request accepted, reported in telemetry and logged. `quarantine` (its target a model
+  fingerprint) stops reuse of that namespace on this worker until lifted.
 
 Boundary: the worker service is seen only through the `Worker` protocol below (its load figures; take or
 stop taking requests), the bus only through the runtime (instance id, draining, publish). This module never
@@ -83,6 +84,9 @@ class Worker(Protocol):
     async def leave(self) -> None:
         """Stop taking requests; those in flight finish."""
 
+    def quarantine(self, model_fingerprint: str, quarantined: bool) -> None:
+        """Reuse nothing of this namespace (model fingerprint) and drop its local blocks; or reuse again."""
+
 
 class WorkerControl:
     def __init__(self, rt: ServiceRuntime, worker: Worker, writes: WritePolicyFilter, standby: bool,
@@ -126,6 +130,9 @@ class WorkerControl:
     # --- decisions ------------------------------------------------------------------------------------
     async def on_decision(self, d: Decision) -> None:
         """Handler of kite.v1.arbitrator.decisions (an event: no reply)."""
+        if d.action == "quarantine" and d.quarantined is not None:  # its target is a namespace
+            self.worker.quarantine(d.target, d.quarantined)
+            return
         if d.target not in ("*", self.rt.instance_id):
             return
         if d.action == "write_policy" and d.write_policy and d.write_policy != self.writes.policy:

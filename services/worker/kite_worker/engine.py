@@ -83,7 +83,9 @@ class Sequence:
     num_pool_blocks: int = 0  # of the reused blocks, how many were loaded from the ru-pool
     generated: list[int] = field(default_factory=list)
     first_token_at: float | None = None
-    first_token_logits: torch.Tensor | None = None  # kept only when the engine is asked to (tests)
+    first_token_logits: torch.Tensor | None = None  # kept when `keep_logits` or the engine option says so
+    keep_logits: bool = False  # sampled for shadow verification (kite_worker.shadow)
+    shadow: bool = False  # a shadow recomputation: counted in no statistic, stores nothing
     finish_reason: str | None = None
     final_text: str = ""  # text released when the sequence finished
     final_token_ids: list[int] = field(default_factory=list)  # the finishing token, unless it was EOS
@@ -111,8 +113,9 @@ class Engine:
     def __init__(self, model, tokenizer, identity: ModelIdentity, block_cache: BlockCache,
                  options: EngineOptions, max_context_tokens: int,
                  adapters: dict[str, Adapter] | None = None) -> None:
-        self.adapters = adapters or {}
+        self.adapters = dict(adapters or {})  # served now; the peft model may hold unloaded ones too
         self.model = attach_adapters(model, self.adapters)
+        self._peft = bool(self.adapters)  # the model is a peft model (from the first adapter on)
         self.tokenizer = tokenizer
         self.identity = identity
         self.block_cache = block_cache
@@ -126,6 +129,8 @@ class Engine:
         self.eos_token_ids = frozenset(eos_ids)
         self.num_prompt_tokens_computed = 0
         self.num_prompt_tokens_reused = 0
+        # Model fingerprints (hex) the arbitrator quarantined: their requests neither reuse nor store KV.
+        self.quarantined: set[str] = set()
         # measured prefill cost (exponentially weighted); the pool loader's cost model reads it
         self.prefill_seconds_per_token = 0.003
         self.decode_seconds_per_token = 0.0  # measured decode step time (EWMA); 0 until the first step
@@ -145,7 +150,7 @@ class Engine:
         prompt = list(request.prompt_token_ids)
         seq = Sequence(
             request=request, identity=identity, prompt_ids=prompt, prompt_hashes=hashes,
-            reuse=self.options.reuse and request.reuse,
+            reuse=self.options.reuse and request.reuse and identity.fingerprint_hex not in self.quarantined,
             generator=make_generator(request.sampling),
             detokenizer=IncrementalDetokenizer(self._decode),
             stops=StopStringMatcher(request.sampling.stop),
@@ -158,25 +163,34 @@ class Engine:
 
     # --- prefill -------------------------------------------------------------------------------------
 
-    def prefill_step(self, seq: Sequence) -> int | None:
-        """Compute the next prompt chunk; returns the first generated token once the prompt is done."""
+    def prefill_step(self, seq: Sequence, chunk_tokens: int = 0) -> int | None:
+        """Compute the next prompt chunk (`chunk_tokens`, or the engine's prefill chunk); returns the
+        first generated token once the prompt is done."""
         with torch.inference_mode():
             if seq.cache is None:
                 self._inject_cached_prefix(seq)
             prompt_len = len(seq.prompt_ids)
-            end = min(prompt_len, seq.num_computed + self.options.prefill_chunk_tokens)
+            end = min(prompt_len, seq.num_computed + (chunk_tokens or self.options.prefill_chunk_tokens))
             started = time.perf_counter()
             logits = self._forward(seq, seq.prompt_ids[seq.num_computed:end])
             if end - seq.num_computed >= self.options.block_size:  # single tokens are decode-like, not prefill
                 per_token = (time.perf_counter() - started) / (end - seq.num_computed)
                 self.prefill_seconds_per_token += 0.2 * (per_token - self.prefill_seconds_per_token)
-            self.num_prompt_tokens_computed += end - seq.num_computed
+            if not seq.shadow:
+                self.num_prompt_tokens_computed += end - seq.num_computed
             seq.num_computed = end
             if end < prompt_len:
                 return None
-            if self.options.keep_first_logits:
-                seq.first_token_logits = logits.clone()
+            if self.options.keep_first_logits or seq.keep_logits:
+                seq.first_token_logits = logits.float().clone()
             return sample(logits, seq.request.sampling, seq.generator)
+
+    def shadow_sequence(self, request: TokenizedRequest) -> Sequence:
+        """The prompt of a served request, to recompute without reuse and keep nothing of (a shadow
+        check); raises RequestRejected when it can no longer run here (its adapter is gone)."""
+        seq = self.new_sequence(request.model_copy(update={"reuse": False}))
+        seq.shadow = seq.keep_logits = True
+        return seq
 
     def _inject_cached_prefix(self, seq: Sequence) -> None:
         num_local = self.block_cache.longest_prefix(seq.prompt_hashes) if seq.reuse else 0
@@ -213,13 +227,37 @@ class Engine:
         return out.logits[0, -1]
 
     def _adapter_active(self, adapter: str):
-        if not self.adapters:
+        if not self._peft:
             return nullcontext()
         if not adapter:
             return self.model.disable_adapter()
         if self.model.active_adapter != adapter:
             self.model.set_adapter(adapter)
         return nullcontext()
+
+    # --- adapters loaded at run time (engine thread only: Scheduler.call_on_engine_thread) -------------
+
+    def add_adapter(self, adapter: Adapter) -> None:
+        from peft import PeftModel  # only workers that serve adapters import peft
+
+        if not self._peft:
+            self.model = PeftModel.from_pretrained(self.model, str(adapter.path), adapter_name=adapter.name,
+                                                   is_trainable=False).eval()
+            self._peft = True
+        else:
+            if adapter.name in self.model.peft_config:  # unloaded earlier: its old weights go now
+                self.model.delete_adapter(adapter.name)
+            self.model.load_adapter(str(adapter.path), adapter_name=adapter.name, is_trainable=False)
+            # Activate it now: after a delete_adapter, peft's model-level active_adapter can still name it
+            # while its layers have no active adapter, and _adapter_active would then skip set_adapter.
+            self.model.set_adapter(adapter.name)
+        self.adapters[adapter.name] = adapter
+
+    def remove_adapter(self, name: str) -> None:
+        """New requests of `name` are refused from now on; its local blocks are dropped. Its weights stay
+        until an adapter of the same name is loaded, so requests still running finish with them."""
+        adapter = self.adapters.pop(name)
+        self.block_cache.drop_model(adapter.identity.fingerprint_hex)
 
     # --- decode ----------------------------------------------------------------------------------------
 

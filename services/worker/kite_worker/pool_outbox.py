@@ -92,11 +92,16 @@ class PoolOutbox:
             await asyncio.sleep(0.05)
 
     def encode_block(self, block: NewBlock) -> bytes:
-        kv = block.kv
-        return RecyclableUnit(
-            block_hash=bytes(block.block_hash), parent_hash=bytes(block.parent_hash),
-            model_fingerprint=block.model_fingerprint, block_index=block.block_index,
-            num_tokens=kv.shape[3], codec=TORCH_DTYPE_TO_CODEC[str(kv.dtype).removeprefix("torch.")],
-            shape=tuple(kv.shape), payload=kv.contiguous().view(torch.uint8).numpy().tobytes(),
-            tenant_tag=block.tenant_tag,
-        ).encode(key=self._ru_key)
+        return encode_block(block, self._ru_key)
+
+
+def encode_block(block: NewBlock, key: bytes) -> bytes:
+    """A block as the recyclable unit the pool stores, signed with the cluster's RU key."""
+    kv = block.kv
+    return RecyclableUnit(
+        block_hash=bytes(block.block_hash), parent_hash=bytes(block.parent_hash),
+        model_fingerprint=block.model_fingerprint, block_index=block.block_index,
+        num_tokens=kv.shape[3], codec=TORCH_DTYPE_TO_CODEC[str(kv.dtype).removeprefix("torch.")],
+        shape=tuple(kv.shape), payload=kv.contiguous().view(torch.uint8).numpy().tobytes(),
+        tenant_tag=block.tenant_tag,
+    ).encode(key=key)

@@ -12,8 +12,15 @@ Admission is two-step: `reserve` validates a request and takes a queue place at 
 hears "accepted" or "overloaded" immediately); the worker may then load prefix blocks from the ru-pool
 onto the Sequence, and `enqueue` hands it to the engine thread.
 
-Boundary: knows the engine and three callbacks (`emit(subject, message)` for stream events,
-`on_new_blocks(blocks)` for the ru-pool, `on_cache_events(events)` for the pool's index); no NATS here.
+Shadow verification (kite_worker.shadow): a sampled request that reused KV keeps its first-token logits
+and is queued as a check after its prefill; once no request has waited or run for `shadow_idle_s`, the
+loop recomputes the oldest check a small chunk at a time (a request arriving meanwhile waits at most one
+chunk) and hands the outcome to `on_shadow(outcome)`. A quarantined model fingerprint (`quarantine`) drops its local blocks and its
+requests run without reuse.
+
+Boundary: knows the engine and its callbacks (`emit(subject, message)` for stream events,
+`on_new_blocks(blocks)` for the ru-pool, `on_cache_events(events)` for the pool's index, `on_shadow`);
+no NATS here.
 """
 
 from __future__ import annotations
@@ -22,18 +29,21 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Callable
+from concurrent.futures import Future
+from typing import Any, Callable
 
 from kite_shared.messages import (ErrorInfo, Message, StreamEnd, StreamError, TokenChunk,
                                   TokenizedRequest, Usage)
 from kite_worker.block_cache import CacheEvent
 from kite_worker.engine import Engine, NewBlock, RequestRejected, Sequence
+from kite_worker.shadow import ShadowCheck, ShadowOutcome, ShadowVerifier
 
 log = logging.getLogger(__name__)
 
 EmitFn = Callable[[str, Message], None]
 BlocksFn = Callable[[list[NewBlock]], None]
 CacheEventsFn = Callable[[list[CacheEvent]], None]
+ShadowFn = Callable[[ShadowOutcome], None]
 
 
 class _Stream:
@@ -51,8 +61,20 @@ class _Stream:
 
 class Scheduler:
     def __init__(self, engine: Engine, max_running: int, max_queued: int, emit: EmitFn,
-                 on_new_blocks: BlocksFn, on_cache_events: CacheEventsFn | None = None) -> None:
+                 on_new_blocks: BlocksFn, on_cache_events: CacheEventsFn | None = None,
+                 shadow: ShadowVerifier | None = None, on_shadow: ShadowFn | None = None,
+                 shadow_chunk_tokens: int = 32, shadow_idle_s: float = 0.2) -> None:
         self.engine = engine
+        self.shadow = shadow
+        self._on_shadow = on_shadow
+        self.shadow_chunk_tokens = shadow_chunk_tokens
+        # Shadow work starts only after this long without a request: a client that sends its next request
+        # as soon as the last answer arrives (a pipeline, an agent) would otherwise land in a chunk.
+        self.shadow_idle_s = shadow_idle_s
+        self._busy_at = 0.0  # monotonic: when a request last waited or ran
+        self._shadow_seq: tuple[ShadowCheck, Sequence] | None = None  # the check being recomputed
+        self._quarantine_changes: list[tuple[str, bool]] = []  # for the engine thread to apply
+        self._engine_calls: list[tuple[Callable[[], Any], Future]] = []  # call_on_engine_thread
         self.max_running = max_running
         self.max_queued = max_queued
         self._emit = emit
@@ -102,6 +124,8 @@ class Scheduler:
             if len(self._running) >= self.max_running and self.num_queued >= self.max_queued:
                 raise RequestRejected("overloaded", "worker queue is full")
             self._reserved[seq.request_id] = _Stream(seq)
+            self._busy_at = time.monotonic()
+        seq.keep_logits = seq.reuse and self.shadow is not None and self.shadow.draw()
         return seq
 
     def enqueue(self, seq: Sequence) -> None:
@@ -127,6 +151,42 @@ class Scheduler:
             self._cancelled.update(s.seq.request_id for s in (*self._waiting, *self._running))
             self._lock.notify()
 
+    @property
+    def num_shadow_checks_waiting(self) -> int:
+        """Checks queued or being recomputed (0 without shadow verification)."""
+        if self.shadow is None:
+            return 0
+        return self.shadow.num_pending + (self._shadow_seq is not None)
+
+    def quarantine(self, model_fingerprint: str, quarantined: bool) -> None:
+        """From now on requests of this fingerprint reuse nothing (or again, when lifted); its local blocks
+        are dropped by the engine thread before its next step."""
+        with self._lock:
+            if quarantined:
+                self.engine.quarantined.add(model_fingerprint)
+            else:
+                self.engine.quarantined.discard(model_fingerprint)
+            self._quarantine_changes.append((model_fingerprint, quarantined))
+            self._lock.notify()
+
+    def call_on_engine_thread(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` on the engine thread between two steps (it may change the model: adapters); its
+        result or exception comes back through the future."""
+        future: Future = Future()
+        with self._lock:
+            if self._stopped or not self.alive:
+                future.set_exception(RuntimeError("the engine is not running"))
+                return future
+            self._engine_calls.append((fn, future))
+            self._lock.notify()
+        return future
+
+    def uses_adapter(self, name: str) -> bool:
+        """Whether a request of this adapter is reserved, waiting or running."""
+        with self._lock:
+            return any(s.seq.request.adapter == name
+                       for s in (*self._reserved.values(), *self._waiting, *self._running))
+
     def idle(self) -> bool:
         with self._lock:
             return not self._waiting and not self._running and not self._reserved
@@ -144,9 +204,18 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._waiting and not self._running and not self._stopped:
-                    self._lock.wait()
+                while not self._waiting and not self._running and not self._stopped \
+                        and not self._quarantine_changes and not self._engine_calls:
+                    if not self._shadow_work():
+                        self._lock.wait()
+                        continue
+                    idle_for = self.shadow_idle_s - (time.monotonic() - self._busy_at)
+                    if idle_for <= 0 and not self._reserved:
+                        break
+                    self._lock.wait(idle_for if idle_for > 0 else self.shadow_idle_s)
                 if self._stopped and not self._waiting and not self._running:
+                    for _, future in self._engine_calls:
+                        future.set_exception(RuntimeError("the engine stopped"))
                     return
                 while self._waiting and len(self._running) < self.max_running:
                     self._running.append(self._waiting.popleft())
@@ -154,6 +223,18 @@ class Scheduler:
                 # A cancel for a request still reserved (loading pool blocks) waits until it runs.
                 cancelled = {s.seq.request_id for s in running} & self._cancelled
                 self._cancelled -= cancelled
+                changes, self._quarantine_changes = self._quarantine_changes, []
+                calls, self._engine_calls = self._engine_calls, []
+            for fn, future in calls:
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:
+                    future.set_exception(exc)
+            for model_fingerprint, quarantined in changes:
+                if quarantined:
+                    dropped = self.engine.block_cache.drop_model(model_fingerprint)
+                    log.warning("namespace %s quarantined: %d local blocks dropped, its requests reuse "
+                                "nothing", model_fingerprint[:16], dropped)
             for stream in running:
                 if stream.seq.request_id in cancelled:
                     self._finish(stream, "cancelled")
@@ -163,9 +244,43 @@ class Scheduler:
                 except Exception as exc:
                     log.exception("request %s failed", stream.seq.request_id)
                     self._fail(stream, ErrorInfo(code="internal_error", message=f"worker error: {exc}"))
+            if running:
+                self._busy_at = time.monotonic()
+            elif self._shadow_work() and time.monotonic() - self._busy_at >= self.shadow_idle_s \
+                    and not self._reserved:
+                self._shadow_step()
             events = self.engine.block_cache.take_events()
             if events and self._on_cache_events is not None:
                 self._on_cache_events(events)
+
+    # --- shadow verification (the engine thread, only while no request runs) -------------------------
+
+    def _shadow_work(self) -> bool:
+        return self.shadow is not None and (self._shadow_seq is not None or self.shadow.has_pending())
+
+    def _shadow_step(self) -> None:
+        """One chunk of the current check's recomputation; judge it once its prompt is done."""
+        if self._shadow_seq is None:
+            check = self.shadow.take()
+            if check.model_fingerprint in self.engine.quarantined:
+                return  # the namespace is already judged: its blocks are gone
+            try:
+                self._shadow_seq = (check, self.engine.shadow_sequence(check.request))
+            except RequestRejected as exc:
+                log.info("shadow check of %s skipped: %s", check.request.request_id, exc)
+                return
+        check, seq = self._shadow_seq
+        try:
+            if self.engine.prefill_step(seq, self.shadow_chunk_tokens) is None:
+                return
+            outcome = self.shadow.judge(check, seq.first_token_logits)
+        except Exception:
+            log.exception("shadow check of %s failed", check.request.request_id)
+            self._shadow_seq = None
+            return
+        self._shadow_seq = None
+        if self._on_shadow is not None:
+            self._on_shadow(outcome)
 
     def _step(self, stream: _Stream) -> None:
         seq = stream.seq
@@ -175,6 +290,9 @@ class Scheduler:
                 return
             self.ttft_samples.append(time.monotonic() - seq.admitted_at)
             finished = self._accept(stream, token)
+            if seq.keep_logits and seq.num_cached_tokens > 0:
+                self.shadow.offer(ShadowCheck(seq.request, seq.identity.fingerprint_hex,
+                                              seq.first_token_logits, seq.num_cached_tokens))
             # After the first token is on its way: packaging never delays time to first token.
             new_blocks = self.engine.store_prompt_blocks(seq)
             if new_blocks:

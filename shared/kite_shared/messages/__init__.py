@@ -17,10 +17,10 @@ from kite_shared.messages.requests import (  # noqa: F401
     TokenChunk, StreamEnd, StreamError, StreamEvent, STREAM_EVENT)
 from kite_shared.messages.pool import (  # noqa: F401
     BlockStored, BlockRemoved, BLOCK_EVENT, ModelFingerprintChanged, PoolLookupRequest, PoolLookupReply,
-    PoolGetRequest, PoolGetReply, PoolAdminRequest, TierStats, TenantUsage, PoolAdminReply, IndexChange,
+    PoolGetRequest, PoolGetReply, PoolAdminRequest, TierStats, TenantUsage, NamespaceStats, PoolAdminReply, IndexChange,
     PoolIndexChanges, WorkerCachesRequest, WorkerCache, WorkerCachesReply)
 from kite_shared.messages.control import (  # noqa: F401
     Heartbeat, Ping, Pong, TELEMETRY_SCHEMA, WritePolicy, RoutingMode, WRITE_POLICIES, ROUTING_MODES,
     Telemetry, WorkerTelemetry, PoolTelemetry, FingerprinterTelemetry, ArbitratorTelemetry,
-    GatewayTelemetry, AnyTelemetry, TELEMETRY, RoutingWeights, DecisionKind, Decision,
-    ArbitratorAdminRequest, ArbitratorAdminReply)
+    GatewayTelemetry, AnyTelemetry, TELEMETRY, RoutingWeights, DecisionKind, Decision, ShadowCheckResult,
+    ArbitratorAdminRequest, ArbitratorAdminReply, AdapterAdminRequest, AdapterAdminReply)

@@ -10,7 +10,10 @@
     arbitrator    -> kite.v1.telemetry.arbitrator     ArbitratorTelemetry     every KITE_TELEMETRY_INTERVAL_S
     arbitrator    -> kite.v1.arbitrator.decisions     Decision          on every change (and a periodic
                                                                         refresh of the current ones)
+    worker        -> kite.v1.shadow.results           ShadowCheckResult after each shadow verification
     admin tools   -> kite.v1.arbitrator.admin         ArbitratorAdminRequest -> ArbitratorAdminReply
+    admin tools   -> kite.v1.adapters.admin           AdapterAdminRequest -> AdapterAdminReply from every
+                                                      fingerprinter and worker (scatter-gather)
 
 `TELEMETRY_SCHEMA` is bumped when a telemetry or decision field changes meaning; such messages of another
 schema fail to decode (MessageError), so receivers ignore them.
@@ -25,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kite_shared.messages.base import Message, OneOf
 from kite_shared.messages.pool import TierStats
+from kite_shared.messages.requests import ErrorInfo
 
 # --- liveness ----------------------------------------------------------------------------------------
 
@@ -165,7 +169,7 @@ class RoutingWeights(BaseModel):
     load: float = Field(default=1.0, ge=0)  # weight of the worker's load
 
 
-DecisionKind = Literal["write_policy", "admission", "routing", "warm_capacity"]
+DecisionKind = Literal["write_policy", "admission", "routing", "warm_capacity", "quarantine"]
 
 
 class Decision(Message):
@@ -175,6 +179,8 @@ class Decision(Message):
     admission      gateways                    admit, retry_after_s, predicted_ttft_s
     routing        fingerprinters              weights, routing_mode ("" = keep)
     warm_capacity  worker `target`             standby (False = activate, True = scale in)
+    quarantine     workers and ru-pools        quarantined, namespace: `target` is a model fingerprint
+                                               (hex); while quarantined its blocks are misses and purged
     """
 
     KIND: ClassVar[str] = "arbitrator_decision"
@@ -193,17 +199,39 @@ class Decision(Message):
     weights: RoutingWeights | None = None
     routing_mode: str = ""
     standby: bool | None = None
+    quarantined: bool | None = None
+    namespace: str = ""  # quarantine: the model name the fingerprint serves ("<base>" or "<base>:<adapter>")
 
     _check_schema = field_validator("schema_version")(_this_schema)
 
 
+class ShadowCheckResult(Message):
+    """worker -> arbitrator and ru-pools (subjects.SHADOW_RESULTS): one shadow verification of a cache hit.
+
+    The worker recomputed the prompt of a request that reused KV, without reuse, and compared the
+    first-token distributions: `divergence` is KL(recomputed || reused) in nats."""
+
+    KIND: ClassVar[str] = "shadow_check_result"
+    instance_id: str  # the worker
+    model_fingerprint: str  # hex: the namespace whose blocks were reused
+    namespace: str  # the model name it serves ("<base>" or "<base>:<adapter>")
+    request_id: str
+    num_reused_tokens: int  # prompt tokens the checked request reused
+    divergence: float  # KL(recomputed || reused) of the first token, nats
+    tolerance: float  # the bound it was held to (per storage dtype)
+    diverged: bool  # divergence > tolerance
+    checked_at: float = Field(default_factory=time.time)  # unix seconds
+
+
 class ArbitratorAdminRequest(Message):
     """ops: status (rules version, current decisions, decision latency), reload (rules file now),
-    set_routing_mode (admin override of the routing mode; routing_mode="" clears it)."""
+    set_routing_mode (admin override of the routing mode; routing_mode="" clears it), clear_quarantine
+    (an operator lifts the quarantine of `model_fingerprint`)."""
 
     KIND: ClassVar[str] = "arbitrator_admin_request"
-    op: Literal["status", "reload", "set_routing_mode"]
+    op: Literal["status", "reload", "set_routing_mode", "clear_quarantine"]
     routing_mode: str = ""
+    model_fingerprint: str = ""  # clear_quarantine: the namespace (hex fingerprint)
 
 
 class ArbitratorAdminReply(Message):
@@ -218,3 +246,26 @@ class ArbitratorAdminReply(Message):
     decision_latency_samples: int = 0
     activation_latencies_s: dict[str, float] = Field(default_factory=dict)  # worker -> seconds
     stale: bool = False
+
+
+# --- adapters -----------------------------------------------------------------------------------------
+
+
+class AdapterAdminRequest(Message):
+    """admin tools -> every fingerprinter and worker (subjects.ADAPTER_ADMIN, no queue group): load a LoRA
+    adapter (docs/adapters.md; its declaration is checked against the base first) or unload one."""
+
+    KIND: ClassVar[str] = "adapter_admin_request"
+    op: Literal["load", "unload"]
+    name: str = Field(min_length=1, max_length=128)  # served as `name` and as "<base>:<name>"
+    path: str = ""  # load: the peft folder, as the receiving process sees it (a shared volume)
+
+
+class AdapterAdminReply(Message):
+    KIND: ClassVar[str] = "adapter_admin_reply"
+    service: str  # "fingerprinter" or "worker"
+    instance_id: str
+    ok: bool
+    error: ErrorInfo | None = None  # a refused load names the declaration field at fault in `param`
+    adapters: list[str] = Field(default_factory=list)  # what it serves now
+    model_fingerprint: str = ""  # load: the adapter's namespace (hex)

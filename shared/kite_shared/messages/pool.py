@@ -236,6 +236,17 @@ class TenantUsage(BaseModel):
     quota_refused: int = 0  # puts refused because pinned blocks alone left no room
 
 
+class NamespaceStats(BaseModel):
+    """One namespace (a model fingerprint: base or adapter, one execution path) in `stats`."""
+
+    name: str = ""  # the model name it serves ("<base>" or "<base>:<adapter>"); "" if not heard yet
+    blocks: int = 0  # blocks the index holds
+    blocks_served: int = 0  # blocks this replica served by gets
+    shadow_checks: int = 0  # shadow verifications workers reported
+    divergences: int = 0  # of those, how many found the reused KV diverging from recomputation
+    quarantined: bool = False  # the arbitrator quarantined it: its blocks are misses and purged
+
+
 class PoolAdminReply(Message):
     KIND: ClassVar[str] = "pool_admin_reply"
     ok: bool
@@ -244,4 +255,5 @@ class PoolAdminReply(Message):
     # op stats: per tenant tag (kite_shared.security.tenant_tag); only the asked tenant when one was named
     tenants: dict[str, TenantUsage] = Field(default_factory=dict)
     counters: dict[str, int] = Field(default_factory=dict)  # puts, duplicates, promotions, ...
+    namespaces: dict[str, NamespaceStats] = Field(default_factory=dict)  # op stats: by model tag (16 hex)
     error: ErrorInfo | None = None
