@@ -304,6 +304,36 @@ async def test_a_reader_on_another_host_takes_the_units_from_the_block_stream(po
         await nc.close()
 
 
+@pytest.mark.parametrize("damage", ["flipped", "torn"])
+async def test_a_damaged_block_stream_transfer_is_a_miss_from_that_block_on(pools, client, env, damage):
+    """A unit changed in transit (one byte flipped) or torn (its frame cut to half: what a pool killed
+    mid-write or a broken proxy delivers) fails the reader's verification: the blocks before it load, it
+    and those after it are computed."""
+    pool = await pools.start()
+    fp = new_fp()
+    chain = make_chain(fp, 4)
+    await put_chain(client, pool, chain)
+    offer = pool.stream.offer
+
+    def damaged(units):
+        units = [bytes(u) for u in units]
+        units[2] = (units[2][:-1] + bytes([units[2][-1] ^ 0xFF]) if damage == "flipped"
+                    else units[2][:len(units[2]) // 2])
+        return offer(units)
+
+    pool.stream.offer = damaged
+    nc = await nats.connect(env.nats_url)
+    try:
+        elsewhere = PoolClient(nc, handoff=False)  # another host: the units come over the block stream
+        loader = same_host_loader(elsewhere, fp)
+        hashes = [h for h, _ in chain]
+        loaded = await loader.load(hashes, num_local=0)
+        assert [h for h, _ in loaded] == hashes[:2] and loader.num_rejected == 1
+        assert pool.stream.num_transfers == 1
+    finally:
+        await nc.close()
+
+
 async def test_an_unreachable_block_stream_means_inline_replies_for_a_while(pools, client, env):
     pool = await pools.start()
     fp = new_fp()

@@ -29,6 +29,7 @@ SYSTEM = {"role": "system", "content": "You are the verification test assistant.
 QUESTIONS = [f"Which vault keeps ledger {i}?" for i in range(40)]
 SHADOW_FRACTION = 0.25  # P(no check in 40 hits) = 0.75^40 < 1e-5
 MAX_HITS = 40
+THINK_S = 0.5  # between requests; a worker checks only after KITE_SHADOW_IDLE_S (0.2 s) without requests
 
 
 def chat(stack, question: str, reuse: bool = True) -> dict:
@@ -75,6 +76,7 @@ def test_planted_divergent_blocks_are_caught_and_the_namespace_quarantined(fresh
     for question in QUESTIONS[:MAX_HITS]:
         if quarantines(stack):
             break
+        time.sleep(THINK_S)  # a user reading the last answer: idle time, in which workers run checks
         sent = time.time()
         response = chat(stack, question)
         if cached(response) >= len(blocks) * cfg.block_size:

@@ -132,6 +132,11 @@ class PoolLoader:
                 self._stage(block_hash, tensor)
             return staged + fetched
 
+    def forget_staged(self) -> None:
+        """Drop every staged block (a namespace was quarantined: none of its loaded copies may be reused)."""
+        self._staged.clear()
+        self._staged_bytes = 0
+
     def _stage(self, block_hash: BlockHash, tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
         if size > self.staging_bytes:

@@ -352,6 +352,8 @@ class WorkerService:
             return
         if quarantined != (model_fingerprint in self.loaded.engine.quarantined):
             self.scheduler.quarantine(model_fingerprint, quarantined)
+            if quarantined and self.loader is not None:  # staged loads are copies of pool blocks too
+                self.loader.forget_staged()
 
     # --- engine -> bus --------------------------------------------------------------------------------
 
