@@ -51,6 +51,7 @@ class Bus:
 
 class StandInScheduler:
     max_running = 2
+    num_shadow_checks_waiting = 0
 
     def __init__(self) -> None:
         self.enqueued: list[str] = []
@@ -105,7 +106,8 @@ async def worker() -> WorkerService:
                              block_cache=SimpleNamespace(num_bytes=0, capacity_bytes=1))
     loaded = LoadedModel(SimpleNamespace(name="m", max_context_tokens=64),
                          SimpleNamespace(fingerprint_hex="ab" * 32), engine)
-    service = WorkerService(rt, loaded, load(WorkerConfig, pool_read=False, pool_write=False, standby=False))
+    service = WorkerService(rt, loaded, load(WorkerConfig, pool_read=False, pool_write=False, standby=False,
+                                             shadow_fraction=0.0))  # its stand-in scheduler checks nothing
     service.scheduler = StandInScheduler()
     await service.start()
     generate = Endpoint(subjects.WORKER_GENERATE, TokenizedRequest.decode, service.generate, refuse=refused,

@@ -104,9 +104,9 @@ class WorkerService:
         else:
             shadow = None
             if cfg.shadow_fraction > 0 and loaded.engine.options.reuse:
-                shadow = ShadowVerifier.for_storage_dtype(
-                    cfg.shadow_fraction, str(loaded.engine.options.storage_dtype).removeprefix("torch."),
-                    cfg.shadow_kl_tolerance)
+                shadow = ShadowVerifier.for_storage_dtype(cfg.shadow_fraction,
+                                                          loaded.identity.execution.kv_storage_dtype,
+                                                          cfg.shadow_kl_tolerance)
             self.scheduler = Scheduler(loaded.engine, cfg.max_running, cfg.max_queued,
                                        emit=self._emit_from_engine, on_new_blocks=self.outbox.add_blocks,
                                        on_cache_events=self.outbox.add_cache_events, shadow=shadow,
