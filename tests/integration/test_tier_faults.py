@@ -417,7 +417,7 @@ async def test_the_loader_measures_concurrent_reads_as_one_fetch(tmp_path):
         cost = CostModel(BLOCK_TOKENS, BLOCK_BYTES, tiers={"w": TierEstimate(0.001, seed)})
         loader = PoolLoader(None, client, cost, fp, shape, torch.float16, mac_key=None)
         started = time.perf_counter()
-        units = await loader._fetch(hashes, b"w" * 16, ANONYMOUS_TENANT)
+        units = await loader._fetch(hashes, b"w" * 16, ANONYMOUS_TENANT, fp)
         wall = time.perf_counter() - started
         assert all(u is not None for u in units)
         total = sum(len(u.payload) for u in units)
