@@ -126,6 +126,7 @@ class WorkerService:
         self._last_computed = 0
         self._ttft_new: deque[float] = deque(maxlen=1000)  # for the control plane's next telemetry
         self._shadow_dropped = 0  # ShadowVerifier.num_dropped already counted in SHADOW_DROPPED
+        self._quarantines_seen: set[str] = set()  # vLLM: quarantines already logged
 
     async def start(self) -> None:
         """Start the engine (and the pool loader); tell the ru-pool this worker's cache is empty."""
@@ -347,8 +348,12 @@ class WorkerService:
     def quarantine(self, model_fingerprint: str, quarantined: bool) -> None:
         """control.Worker: the arbitrator (un)quarantined a namespace."""
         if self.on_vllm:
-            log.warning("quarantine of %s: the vLLM engine keeps its own prefix cache (the pool refuses the "
-                        "namespace's blocks)", model_fingerprint[:16])
+            if not quarantined:
+                self._quarantines_seen.discard(model_fingerprint)
+            elif model_fingerprint not in self._quarantines_seen:  # decisions are repeated every 5 s
+                self._quarantines_seen.add(model_fingerprint)
+                log.warning("quarantine of %s: the vLLM engine keeps its own prefix cache (the pool refuses "
+                            "the namespace's blocks)", model_fingerprint[:16])
             return
         if quarantined != (model_fingerprint in self.loaded.engine.quarantined):
             self.scheduler.quarantine(model_fingerprint, quarantined)
