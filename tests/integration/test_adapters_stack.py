@@ -69,7 +69,9 @@ def warm_tags(stack) -> dict[str, int]:
 
 def test_base_and_adapters_on_two_workers(fresh_stack_factory, adapter_folders):
     setting, tags = adapter_folders
-    stack = fresh_stack_factory(num_workers=2, env={"KITE_ADAPTERS": setting})
+    # A burst of 12 requests on a 2-core machine: admission control would answer some 503 (it predicts the
+    # backlog's TTFT); this test is about adapters, so the service objective is out of its way.
+    stack = fresh_stack_factory(num_workers=2, env={"KITE_ADAPTERS": setting, "KITE_ARBITRATOR_TTFT_SLO_S": "600"})
     assert stack.redis is not None, "this test needs redis-server installed"
     wait_for_models(stack, {MODEL, "alpha", "beta", f"{MODEL}:alpha", f"{MODEL}:beta"})
 
@@ -83,7 +85,9 @@ def test_base_and_adapters_on_two_workers(fresh_stack_factory, adapter_folders):
         results = list(pool.map(lambda job: chat(stack, *job), jobs))
     for job, result in zip(jobs, results):
         assert answer(result) == references[job], job
-    assert all(cached(r) > 0 for r in results[len(results) // 2:])  # the second round reused its blocks
+    for job in jobs[:len(jobs) // 2]:  # once the burst is over, every model reuses its own blocks
+        again = chat(stack, *job)
+        assert cached(again) > 0 and answer(again) == references[job], job
 
     # Each model's blocks reach the pool under its own model tag, and only there.
     deadline = time.monotonic() + 30
