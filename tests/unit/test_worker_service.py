@@ -52,6 +52,7 @@ class Bus:
 class StandInScheduler:
     max_running = 2
     num_shadow_checks_waiting = 0
+    shadow = None  # no shadow verification
 
     def __init__(self) -> None:
         self.enqueued: list[str] = []

@@ -118,7 +118,7 @@ class WorkerService:
         self.loader: PoolLoader | None = None
         self._intake: tuple[Endpoint, ...] = ()  # the generate endpoints
         self._subscriptions: list[Subscription] = []  # theirs, while taking requests
-        self._loads: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # pool loads and shadow-result publishes, held until done
         self._spans: dict[str, object] = {}  # request id -> its generation's trace span, until its stream ends
         self._events: asyncio.Queue[tuple[str, bytes, bool]] = asyncio.Queue()  # (subject, data, ends stream)
         self._unsent = 0  # stream events handed over and not yet published
@@ -222,8 +222,11 @@ class WorkerService:
         self._last_computed = engine.num_prompt_tokens_computed
         QUEUE_DEPTH.set(self.scheduler.num_queued)
         RUNNING.set(self.scheduler.num_running)
-        if not self.on_vllm:
+        shadow = None if self.on_vllm else self.scheduler.shadow
+        if shadow is not None:  # drops count even while no check completes (a worker never idle)
             SHADOW_WAITING.set(self.scheduler.num_shadow_checks_waiting)
+            SHADOW_DROPPED.inc(shadow.num_dropped - self._shadow_dropped)
+            self._shadow_dropped = shadow.num_dropped
         while self.scheduler.ttft_samples:
             ttft = self.scheduler.ttft_samples.popleft()
             TTFT.observe(ttft)
@@ -255,8 +258,8 @@ class WorkerService:
                 self.scheduler.enqueue(seq)
             else:  # endpoints handle one message at a time: load in a task so admissions never wait
                 task = asyncio.create_task(self._load_then_enqueue(seq))
-                self._loads.add(task)
-                task.add_done_callback(self._loads.discard)
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
         return Admission(accepted=True, worker_id=self.rt.instance_id, prompt_tokens=len(request.prompt_token_ids))
 
     async def _load_then_enqueue(self, seq: Sequence) -> None:
@@ -323,8 +326,6 @@ class WorkerService:
         namespace = self.namespace(check.request.adapter)
         SHADOW_CHECKS.labels(namespace, "diverged" if outcome.diverged else "match").inc()
         SHADOW_DIVERGENCE.observe(outcome.divergence)
-        SHADOW_DROPPED.inc(self.scheduler.shadow.num_dropped - self._shadow_dropped)
-        self._shadow_dropped = self.scheduler.shadow.num_dropped
         if outcome.diverged:
             log.error("shadow check DIVERGED in namespace %s (fingerprint %s): KL %.3g > %.3g after reusing %d "
                       "tokens of request %s", namespace, check.model_fingerprint[:16], outcome.divergence,
@@ -337,11 +338,11 @@ class WorkerService:
 
     def _publish_shadow_result(self, result: ShadowCheckResult) -> None:
         task = asyncio.create_task(self.rt.nc.publish(subjects.SHADOW_RESULTS, result.encode()))
-        self._loads.add(task)
+        self._tasks.add(task)
         task.add_done_callback(self._published)
 
     def _published(self, task: asyncio.Task) -> None:
-        self._loads.discard(task)
+        self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.warning("shadow check result not published: %r", task.exception())
 
