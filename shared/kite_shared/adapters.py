@@ -180,14 +180,15 @@ def load_configured(cfg: ModelConfig, local: LocalModel, base: ModelIdentity) ->
 
 
 def loader(cfg: ModelConfig, local: LocalModel, base: ModelIdentity) -> Callable[[str, str], Adapter]:
-    """`load(name, path)` for this process's base: the contract check, and the engine's."""
+    """`load(name, path)` for this process's base: the contract check, and the rank limit."""
 
     def load(name: str, path: str) -> Adapter:
-        if cfg.engine != "transformers":
-            # Fingerprinters and workers both check this, so neither side offers what the other cannot serve.
-            raise AdapterRefused(name, "engine", f"adapters are served by the transformers engine only so far "
-                                                 f"(KITE_ENGINE={cfg.engine}): the base serves alone")
-        return load_adapter(name, path, base, local, cfg.block_size)
+        adapter = load_adapter(name, path, base, local, cfg.block_size)
+        # Fingerprinters and workers both check this, so neither side offers what the other cannot serve.
+        if adapter.rank > cfg.max_lora_rank:
+            raise AdapterRefused(name, "rank", f"LoRA rank {adapter.rank} exceeds KITE_MAX_LORA_RANK="
+                                               f"{cfg.max_lora_rank}")
+        return adapter
 
     return load
 

@@ -116,6 +116,10 @@ SETTINGS: tuple[Setting, ...] = (
             "clients name them as <name> or <base>:<name>. Each folder holds a kite-adapter.json "
             "declaration (docs/adapters.md) checked against the base at start: an adapter that does not "
             "match is refused with the field named, and the base keeps serving."),
+    Setting("KITE_MAX_LORA_RANK", int, "16", MODEL_USERS,
+            "Largest LoRA rank an adapter may have: a higher one is refused at load (field `rank`). On vLLM "
+            "it sizes the LoRA slots (vLLM's max_lora_rank: 1, 8, 16, 32, 64, 128, 256, 320 or 512).",
+            minimum=1),
     Setting("KITE_DEVICE_CLASS", str, "auto", MODEL_USERS,
             "Class of the device whose kernels compute KV, part of the execution-path fingerprint: "
             "cpu-<isa> (cpu-amx, cpu-avx512, cpu-avx2, cpu-<arch>) or cuda-sm<NN>; auto detects it on this "
@@ -182,7 +186,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KITE_SHADOW_FRACTION", float, "0.01", WORKER,
             "Fraction of cache hits a worker re-checks (shadow verification, docs/verification.md): it "
             "recomputes the prompt without reuse while idle and compares the first-token distributions; "
-            "0 turns it off. Reference engine only so far.", minimum=0.0),
+            "0 turns it off.", minimum=0.0),
     Setting("KITE_SHADOW_KL_TOLERANCE", float, "0", WORKER,
             "KL divergence (nats) of the first token above which a shadow check counts as a divergence; 0 "
             "takes the default of the KV storage dtype (float32 1e-6, float16 1e-4, bfloat16 5e-3).",
@@ -206,6 +210,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KITE_VLLM_MAX_NUM_SEQS", int, "64", WORKER,
             "Requests vLLM batches at once (its max_num_seqs); the continuous batching is vLLM's.",
             minimum=1),
+    Setting("KITE_VLLM_MAX_LORAS", int, "0", WORKER,
+            "LoRA adapters one vLLM batch may mix (vLLM's max_loras; requests of further adapters wait for a "
+            "slot). 0: LoRA is enabled only when KITE_ADAPTERS names adapters, with as many slots as it "
+            "names (up to 4), so a base-only worker runs no LoRA layers; set it to load adapters at run "
+            "time into a worker that starts without any.", minimum=0),
     Setting("KITE_VLLM_STAGING_DIR", Path, "/dev/shm", WORKER,
             "Folder (a memory-backed file system) where the KV connector stages blocks between vLLM's "
             "scheduler and model-runner processes."),
@@ -449,6 +458,7 @@ class CommonConfig:
 
 # Default tokens per block of each engine (KITE_BLOCK_SIZE=0).
 ENGINE_BLOCK_SIZES = {"vllm": 32, "transformers": 16}
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's MaxLoRARanks
 
 
 @dataclass(frozen=True)
@@ -463,6 +473,7 @@ class ModelConfig:
     kv_storage_dtype: str = env("KITE_KV_STORAGE_DTYPE")
     device_class: str = env("KITE_DEVICE_CLASS")
     adapters: str = env("KITE_ADAPTERS")
+    max_lora_rank: int = env("KITE_MAX_LORA_RANK")
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_BLOCK_SIZES:
@@ -473,6 +484,9 @@ class ModelConfig:
             raise ConfigError(f"KITE_MODEL_DTYPE={self.dtype!r}: expected float32 or bfloat16")
         if self.attn_impl not in ("sdpa", "eager"):
             raise ConfigError(f"KITE_ATTN_IMPL={self.attn_impl!r}: expected sdpa or eager")
+        if self.engine == "vllm" and self.max_lora_rank not in VLLM_LORA_RANKS:
+            raise ConfigError(f"KITE_MAX_LORA_RANK={self.max_lora_rank}: vLLM takes one of "
+                              f"{', '.join(map(str, VLLM_LORA_RANKS))}")
         if self.kv_storage_dtype not in ("float16", "bfloat16", "float32"):
             raise ConfigError(
                 f"KITE_KV_STORAGE_DTYPE={self.kv_storage_dtype!r}: expected float16, bfloat16 or float32")
@@ -555,6 +569,7 @@ class WorkerConfig:
     vllm_kv_cache_gib: float = env("KITE_VLLM_KV_CACHE_GIB")
     vllm_enforce_eager: bool = env("KITE_VLLM_ENFORCE_EAGER")
     vllm_max_num_seqs: int = env("KITE_VLLM_MAX_NUM_SEQS")
+    vllm_max_loras: int = env("KITE_VLLM_MAX_LORAS")
     vllm_staging_dir: Path = env("KITE_VLLM_STAGING_DIR")
     metrics_port: int = env("KITE_METRICS_PORT")
     standby: bool = env("KITE_WORKER_STANDBY")

@@ -113,9 +113,25 @@ def test_the_configured_adapters_load_and_a_refused_one_leaves_the_rest(tmp_path
     loaded = adapters.load_configured(cfg, LOCAL, BASE)
     assert list(loaded) == ["good"]
     assert "base.rope_theta" in caplog.text
+    # vLLM's blocks are 32 tokens: an adapter declared for the 16-token layout is another KV layout.
     on_vllm = load(ModelConfig, environ={}, engine="vllm", block_size=32, adapters=f"good={good}")
-    assert adapters.load_configured(on_vllm, LOCAL, BASE) == {}
-    assert "transformers engine only" in caplog.text
+    assert adapters.load_configured(on_vllm, LOCAL, identity(LOCAL, on_vllm)) == {}
+    assert "base.kv_layout.block_size: declared 16, the loaded base has 32" in caplog.text
+    for_vllm = make_folder(tmp_path / "for-vllm", block_size=32)
+    on_vllm = load(ModelConfig, environ={}, engine="vllm", block_size=32, adapters=f"good={for_vllm}")
+    assert list(adapters.load_configured(on_vllm, LOCAL, identity(LOCAL, on_vllm))) == ["good"]
+
+
+def test_an_adapter_above_the_rank_limit_is_refused_on_both_engines(tmp_path):
+    wide = make_folder(tmp_path / "wide", r=32)
+    cfg = load(ModelConfig, environ={}, engine="transformers", block_size=16, max_lora_rank=16)
+    with pytest.raises(AdapterRefused) as refused:
+        adapters.loader(cfg, LOCAL, BASE)("wide", str(wide))
+    assert refused.value.field == "rank" and "KITE_MAX_LORA_RANK=16" in str(refused.value)
+    assert adapters.loader(load(ModelConfig, environ={}, engine="transformers", block_size=16, max_lora_rank=32),
+                           LOCAL, BASE)("wide", str(wide)).rank == 32
+    with pytest.raises(ValueError, match="KITE_MAX_LORA_RANK=12: vLLM takes one of"):
+        load(ModelConfig, environ={}, engine="vllm", max_lora_rank=12)
 
 
 def test_setting_and_model_names_parse():

@@ -10,6 +10,7 @@ from kite_worker.kv_connector import apply_kv_events
 from kite_worker.kv_plan import LocalBlockMirror
 
 KITE = [BlockHash(bytes([i + 1]) * 32) for i in range(4)]
+FP = "ab" * 32
 
 
 def stored(*hashes: int) -> BlockStored:
@@ -19,16 +20,17 @@ def stored(*hashes: int) -> BlockStored:
 
 def test_stores_evictions_and_clears_keep_their_order_in_kite_hashes():
     mirror = LocalBlockMirror()
-    mirror.learn([11, 12, 13], KITE[:3])
+    mirror.learn([11, 12, 13], KITE[:3], FP)
     apply_kv_events(mirror, [stored(11, 12, 77), BlockRemoved(block_hashes=[12], medium="CPU"),
                              AllBlocksCleared(), stored(13)])
     assert mirror.take_events() == [
-        ("stored", [KITE[0], KITE[1]]), ("removed", [KITE[1]]), ("cleared", []), ("stored", [KITE[2]])]
+        ("stored", FP, [KITE[0], KITE[1]]), ("removed", FP, [KITE[1]]), ("cleared", "", []),
+        ("stored", FP, [KITE[2]])]
 
 
 def test_blocks_without_a_kite_hash_are_held_but_not_announced():
     mirror = LocalBlockMirror()
-    mirror.learn([11], KITE[:1])
+    mirror.learn([11], KITE[:1], FP)
     apply_kv_events(mirror, [stored(21, 22), BlockRemoved(block_hashes=[23], medium="CPU")])
     assert mirror.take_events() == []
     assert mirror.held == {21, 22}

@@ -9,6 +9,9 @@ from kite_shared.fingerprint import BlockHash, block_hash_chain
 from kite_worker.kv_plan import BlockCopy, KVPlanner, LocalBlockMirror, RequestParams
 
 ROOT = BlockHash(bytes(range(32)))
+BASE_FP = bytes(ROOT).hex()
+ADAPTER_ROOT = BlockHash(bytes(range(32, 64)))
+ADAPTER_FP = bytes(ADAPTER_ROOT).hex()
 B = 4  # tokens per block in these scenarios
 PROMPT = list(range(100, 118))  # 18 tokens: 4 full blocks + 2
 SALT = "tenant-salt"
@@ -25,7 +28,7 @@ def chain(tokens: list[int]) -> list[BlockHash]:
 
 
 def test_params_survive_their_wire_form():
-    p = params(max_save_blocks=3, pool_blocks=2)
+    p = params(max_save_blocks=3, pool_blocks=2, model_fingerprint=ADAPTER_FP)
     assert RequestParams.decode(p.encode()) == p
     assert RequestParams.decode({"load": True}).pool_blocks == -1  # an older front end: unknown
     assert RequestParams.decode(None) is None
@@ -157,29 +160,57 @@ def test_untracked_requests_have_no_plan():
     assert step.loads == [] and step.saves == []
 
 
+def test_an_adapters_request_hashes_and_saves_under_the_adapters_root():
+    planner = KVPlanner(B, ROOT)
+    planner.track("base", params(), PROMPT)
+    planner.track("lora", params(model_fingerprint=ADAPTER_FP), PROMPT)
+    lora_chain = block_hash_chain(PROMPT, B, ADAPTER_ROOT, SALT)
+    assert planner.requests["base"].hashes == chain(PROMPT)
+    assert planner.requests["lora"].hashes == lora_chain and lora_chain[0] != chain(PROMPT)[0]
+    planner.plan_step("base", [1, 2, 3, 4, 5], True, 0, 18, PROMPT)
+    step = planner.plan_step("lora", [6, 7, 8, 9, 10], True, 0, 18, PROMPT)
+    assert step.saves == [BlockCopy(6 + i, lora_chain[i], i) for i in range(4)]  # the base's saves do not count
+    first, second = (planner.saved_info("lora", copy) for copy in step.saves[:2])
+    assert (first.parent_hash, first.model_fingerprint) == (ADAPTER_ROOT, ADAPTER_FP)
+    assert second.parent_hash == lora_chain[0]
+    assert planner.saved_info("base", BlockCopy(1, chain(PROMPT)[0], 0)).model_fingerprint == BASE_FP
+
+
 def test_the_mirror_announces_a_held_block_once_its_kite_hash_is_known_in_either_order():
     mirror = LocalBlockMirror()
     kite = [BlockHash(bytes([i]) * 32) for i in range(4)]
-    mirror.learn([101, 102], kite[:2])  # a tracked request names its blocks before vLLM caches them
+    mirror.learn([101, 102], kite[:2], BASE_FP)  # a tracked request names its blocks before vLLM caches them
     assert mirror.take_events() == []
     mirror.stored([101, 102, 103])  # 103: computed by a request the connector never tracked
-    assert mirror.take_events() == [("stored", kite[:2])]
-    mirror.learn([103, 101], [kite[2], kite[0]])  # named later; 101 is already announced
-    assert mirror.take_events() == [("stored", [kite[2]])]
+    assert mirror.take_events() == [("stored", BASE_FP, kite[:2])]
+    mirror.learn([103, 101], [kite[2], kite[0]], BASE_FP)  # named later; 101 is already announced
+    assert mirror.take_events() == [("stored", BASE_FP, [kite[2]])]
     mirror.removed([102, 104])  # 104 was never announced
     mirror.stored([102])
-    assert mirror.take_events() == [("removed", [kite[1]]), ("stored", [kite[1]])]
+    assert mirror.take_events() == [("removed", BASE_FP, [kite[1]]), ("stored", BASE_FP, [kite[1]])]
     mirror.cleared()
     mirror.stored([101])
-    assert mirror.take_events() == [("cleared", []), ("stored", [kite[0]])]
+    assert mirror.take_events() == [("cleared", "", []), ("stored", BASE_FP, [kite[0]])]
     assert mirror.held == {101}
+
+
+def test_the_mirror_announces_each_adapters_blocks_in_its_own_namespace():
+    mirror = LocalBlockMirror()
+    kite = [BlockHash(bytes([i]) * 32) for i in range(4)]
+    mirror.learn([1, 2], kite[:2], BASE_FP)
+    mirror.learn([3, 4], kite[2:], ADAPTER_FP)  # vLLM hashes an adapter's blocks apart (its lora keys)
+    mirror.stored([1, 3, 2, 4])
+    assert mirror.take_events() == [("stored", BASE_FP, [kite[0]]), ("stored", ADAPTER_FP, [kite[2]]),
+                                    ("stored", BASE_FP, [kite[1]]), ("stored", ADAPTER_FP, [kite[3]])]
+    mirror.removed([4, 3, 1])
+    assert mirror.take_events() == [("removed", ADAPTER_FP, [kite[3], kite[2]]), ("removed", BASE_FP, [kite[0]])]
 
 
 def test_the_mirror_forgets_the_oldest_pairings_first():
     mirror = LocalBlockMirror(max_pairs=2)
     kite = [BlockHash(bytes([i]) * 32) for i in range(3)]
-    mirror.learn([1, 2], kite[:2])
-    mirror.learn([1], kite[:1])  # renewed: 2 is now the oldest
-    mirror.learn([3], kite[2:])
+    mirror.learn([1, 2], kite[:2], BASE_FP)
+    mirror.learn([1], kite[:1], BASE_FP)  # renewed: 2 is now the oldest
+    mirror.learn([3], kite[2:], BASE_FP)
     mirror.stored([1, 2, 3])
-    assert mirror.take_events() == [("stored", [kite[0], kite[2]])]
+    assert mirror.take_events() == [("stored", BASE_FP, [kite[0], kite[2]])]

@@ -16,7 +16,7 @@ REQUEST = TokenizedRequest(request_id="r", model="m", prompt_token_ids=[1, 2, 3]
 
 
 def check(logits: torch.Tensor) -> ShadowCheck:
-    return ShadowCheck(REQUEST, "ab" * 32, logits, num_reused_tokens=32)
+    return ShadowCheck(REQUEST, "ab" * 32, num_reused_tokens=32, reused_logits=logits)
 
 
 def test_divergence_is_kl_of_the_recomputed_from_the_reused_distribution():
@@ -57,3 +57,33 @@ def test_the_verdict_holds_the_divergence_to_the_storage_dtype_tolerance():
     assert not same.diverged and other.diverged and other.divergence > 0.1
     assert (verifier.num_checked, verifier.num_diverged) == (2, 1)
     assert ShadowVerifier.for_storage_dtype(1.0, "float16", tolerance=0.5).tolerance == 0.5
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> dict[int, float]:
+    log_p = torch.log_softmax(logits.double(), -1)
+    values, ids = log_p.topk(k)
+    return {int(i): float(v) for i, v in zip(ids, values)}
+
+
+def test_the_top_k_divergence_is_zero_for_one_distribution_and_never_above_the_full_kl():
+    from kite_worker.shadow import top_logprobs_divergence
+
+    generator = torch.Generator().manual_seed(1)
+    p = torch.randn(500, generator=generator) * 3
+    assert top_logprobs_divergence(top_logprobs(p, 20), top_logprobs(p, 20)) == pytest.approx(0.0, abs=1e-12)
+    for scale in (1e-3, 0.1, 1.0):
+        q = p + scale * torch.randn(500, generator=generator)
+        coarse = top_logprobs_divergence(top_logprobs(p, 20), top_logprobs(q, 20))
+        assert 0.0 <= coarse <= first_token_divergence(p, q) + 1e-12, scale
+    # Other numerics (another distribution): far above every tolerance.
+    other = torch.randn(500, generator=generator) * 3
+    assert top_logprobs_divergence(top_logprobs(p, 20), top_logprobs(other, 20)) > 0.1
+
+
+def test_a_vllm_check_is_judged_on_top_logprobs():
+    verifier = ShadowVerifier.for_storage_dtype(1.0, "float16")
+    logits = torch.randn(200, generator=torch.Generator().manual_seed(2)) * 3
+    hit = ShadowCheck(REQUEST, "ab" * 32, num_reused_tokens=32, reused_top_logprobs=top_logprobs(logits, 20))
+    assert not verifier.judge_top_logprobs(hit, top_logprobs(logits + 1e-4 * torch.randn(200), 20)).diverged
+    assert verifier.judge_top_logprobs(hit, top_logprobs(torch.randn(200) * 3, 20)).diverged
+    assert (verifier.num_checked, verifier.num_diverged) == (2, 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from kite_shared.fingerprint import BlockHash
 from kite_worker.vllm_engine import PrefixMirror, remove_stale_staging
@@ -45,14 +46,23 @@ from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 
+from kite_shared.config import ModelConfig, WorkerConfig, load  # noqa: E402
 from kite_shared.fingerprint import block_hash_chain  # noqa: E402
 from kite_shared.messages import SamplingParams, StreamEnd, StreamError, TokenChunk, TokenizedRequest  # noqa: E402
+from kite_shared.model_store import LocalModel, identity  # noqa: E402
 from kite_worker.engine import RequestRejected  # noqa: E402
 from kite_worker.kv_plan import PARAMS_KEY  # noqa: E402
-from kite_worker.vllm_engine import KVCacheStats, VllmOptions, VllmScheduler  # noqa: E402
+from kite_worker.vllm_engine import VllmEngine, VllmScheduler  # noqa: E402
+from tests.unit.test_adapters import make_folder  # noqa: E402
 
-ROOT = h(7)
 EOS = 2
+LOCAL = LocalModel(name="m", path=Path("."), weights_digest="ab" * 32, quantization="", hf_config={
+    "num_attention_heads": 9, "hidden_size": 576, "num_hidden_layers": 30, "num_key_value_heads": 3,
+    "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "vocab_size": 49152, "max_position_embeddings": 64,
+    "eos_token_id": EOS})
+MODEL_CFG = load(ModelConfig, environ={}, engine="vllm", block_size=4)
+BASE = identity(LOCAL, MODEL_CFG)
+ROOT = BASE.root
 
 
 class ScriptedLLM:
@@ -62,9 +72,17 @@ class ScriptedLLM:
         self.deltas, self.cached, self.fail = deltas, cached, fail
         self.calls: list[tuple] = []
         self.errored = False
+        self.loras: dict[int, str] = {}  # loaded adapters: id -> vLLM name
 
-    async def generate(self, prompt, params, request_id):
-        self.calls.append((prompt, params, request_id))
+    async def add_lora(self, lora_request) -> bool:
+        self.loras[lora_request.lora_int_id] = lora_request.lora_name
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return self.loras.pop(lora_id, None) is not None
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        self.calls.append((prompt, params, request_id, lora_request))
         for i, (ids, text, finish) in enumerate(self.deltas):
             await asyncio.sleep(0)
             if self.fail and i == 1:
@@ -76,32 +94,32 @@ class ScriptedLLM:
 class Endless(ScriptedLLM):
     """Generates until cancelled."""
 
-    async def generate(self, prompt, params, request_id):
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        self.calls.append((prompt, params, request_id, lora_request))
         while True:
             await asyncio.sleep(0.01)
             yield SimpleNamespace(num_cached_tokens=0, finished=False, outputs=[
                 SimpleNamespace(token_ids=[5], text="a", finish_reason=None, stop_reason=None)])
 
 
-def make_scheduler(llm, reuse: bool = True, max_queued: int = 4, pool_blocks=None):
-    options = VllmOptions(reuse=reuse, pool_read=True, pool_write=True, cache_generated=True, kv_cache_gib=1.0,
-                          enforce_eager=True, max_num_seqs=2, staging_dir=None)
-    engine = SimpleNamespace(
-        identity=SimpleNamespace(fingerprint_hex=ROOT.hex(), root=ROOT), block_size=4, max_context_tokens=64,
-        options=options, llm=llm, local=SimpleNamespace(hf_config={"eos_token_id": EOS}),
-        block_cache=KVCacheStats(capacity_bytes=1 << 20, bytes_per_token=1024),
-        num_prompt_tokens_reused=0, num_prompt_tokens_computed=0,
-        prefill_seconds_per_token=0.003, decode_seconds_per_token=0.0)
+def make_scheduler(llm, reuse: bool = True, max_queued: int = 4, pool_blocks=None, adapters=None,
+                   max_loras: int = 0):
+    """A VllmScheduler on a real VllmEngine whose AsyncLLM is `llm` (never started: no vLLM processes)."""
+    worker_cfg = load(WorkerConfig, environ={}, reuse=reuse, pool_read=True, pool_write=True, cache_generated=True,
+                      vllm_kv_cache_gib=0.05, vllm_max_num_seqs=2, vllm_max_loras=max_loras)
+    engine = VllmEngine(LOCAL, BASE, MODEL_CFG, worker_cfg, "w-test", adapters)
+    engine.llm = llm
     events = []
     return VllmScheduler(engine, max_queued, emit=lambda subject, m: events.append(m), pool_blocks=pool_blocks), events
 
 
-def request(request_id: str = "r", prompt=tuple(range(10, 19)), reuse: bool = True, **sampling) -> TokenizedRequest:
+def request(request_id: str = "r", prompt=tuple(range(10, 19)), reuse: bool = True, adapter: str = "",
+            root: bytes = ROOT, **sampling) -> TokenizedRequest:
     ids = list(prompt)
     return TokenizedRequest(
-        request_id=request_id, model="m", prompt_token_ids=ids, reuse=reuse,
-        sampling=SamplingParams(max_tokens=8, temperature=0, **sampling), model_fingerprint=ROOT.hex(),
-        block_size=4, block_hashes=[bytes(x) for x in block_hash_chain(ids, 4, ROOT)], stream_subject="s",
+        request_id=request_id, model="m", prompt_token_ids=ids, reuse=reuse, adapter=adapter,
+        sampling=SamplingParams(max_tokens=8, temperature=0, **sampling), model_fingerprint=bytes(root).hex(),
+        block_size=4, block_hashes=[bytes(x) for x in block_hash_chain(ids, 4, root)], stream_subject="s",
         created_at=0, tenant="acme")
 
 
@@ -120,7 +138,8 @@ async def test_deltas_stream_as_chunks_and_the_finishing_delta_closes_the_stream
     end = events[-1]
     assert (end.text, end.token_ids, end.finish_reason) == (".", [7], "stop")
     assert end.usage.completion_tokens == 3 and end.usage.cached_tokens == 4 and end.usage.prompt_tokens == 9
-    prompt, params, _ = llm.calls[0]
+    prompt, params, _, lora = llm.calls[0]
+    assert lora is None
     assert prompt["prompt_token_ids"] == list(range(10, 19))
     assert params.temperature == 0 and params.max_tokens == 8 and not params.skip_reading_prefix_cache
     kite = params.extra_args["kv_transfer_params"][PARAMS_KEY]
@@ -205,3 +224,177 @@ async def test_cancel_all_ends_every_stream_as_cancelled():
         await asyncio.sleep(0.01)
     ends = {e.request_id: e.finish_reason for e in events if isinstance(e, StreamEnd)}
     assert ends == {"a": "cancelled", "b": "cancelled"}
+
+
+# --- LoRA adapters -------------------------------------------------------------------------------------
+
+from kite_shared.adapters import AdapterRefused, load_adapter  # noqa: E402
+
+
+def adapter(tmp_path: Path, name: str, weights: bytes):
+    return load_adapter(name, make_folder(tmp_path / name, weights=weights, block_size=4), BASE, LOCAL, 4)
+
+
+async def test_an_adapters_request_runs_under_its_lora_and_hashes_in_its_namespace(tmp_path):
+    alpha = adapter(tmp_path, "alpha", b"\x01" * 64)
+    llm = ScriptedLLM([([5], "x", "length")])
+    scheduler, events = make_scheduler(llm, adapters={"alpha": alpha})
+    await scheduler.engine.load_adapters()
+    await serve(scheduler, request("a", adapter="alpha", root=alpha.identity.root))
+    _, params, _, lora = llm.calls[0]
+    # vLLM's name carries the content digest: a reload under the same name and path is another adapter.
+    assert lora.lora_name == f"alpha-{alpha.digest[:16]}" and lora.lora_path == str(alpha.path)
+    assert llm.loras == {lora.lora_int_id: lora.lora_name}
+    assert params.extra_args["kv_transfer_params"][PARAMS_KEY]["model_fingerprint"] == alpha.identity.fingerprint_hex
+    await serve(scheduler, request("b"))
+    assert llm.calls[1][3] is None
+    assert llm.calls[1][1].extra_args["kv_transfer_params"][PARAMS_KEY]["model_fingerprint"] == ""
+    with pytest.raises(RequestRejected) as refused:  # the base's hashes under the adapter's name
+        scheduler.reserve(request("c", adapter="alpha"))
+    assert refused.value.code == "model_mismatch"
+    with pytest.raises(RequestRejected) as refused:
+        scheduler.reserve(request("d", adapter="beta", root=alpha.identity.root))
+    assert refused.value.code == "model_not_found"
+
+
+async def test_an_adapter_unloaded_while_its_request_runs_is_dropped_by_vllm_when_that_request_ends(tmp_path):
+    alpha = adapter(tmp_path, "alpha", b"\x01" * 64)
+    llm = Endless([])
+    scheduler, events = make_scheduler(llm, max_loras=2)
+    engine = scheduler.engine
+    await engine.add_adapter(alpha)
+    scheduler.enqueue(scheduler.reserve(request("a", adapter="alpha", root=alpha.identity.root)))
+    await asyncio.sleep(0.05)
+    first_id = llm.calls[0][3].lora_int_id
+    await engine.remove_adapter("alpha", in_use=scheduler.uses_adapter("alpha"))
+    assert first_id in llm.loras  # its request still runs with these weights
+    with pytest.raises(RequestRejected):
+        scheduler.reserve(request("b", adapter="alpha", root=alpha.identity.root))
+    reloaded = adapter(tmp_path / "v2", "alpha", b"\x02" * 64)
+    await engine.add_adapter(reloaded)  # new weights under the old name: a new vLLM adapter
+    second = engine.lora_request("alpha")
+    assert second.lora_int_id != first_id and second.lora_name != llm.loras[first_id]
+    scheduler.cancel("a")
+    while not scheduler.idle():
+        await asyncio.sleep(0.01)
+    assert llm.loras == {second.lora_int_id: second.lora_name}
+
+
+async def test_a_worker_started_without_lora_layers_refuses_adapters(tmp_path):
+    scheduler, _ = make_scheduler(ScriptedLLM([]))
+    with pytest.raises(AdapterRefused) as refused:
+        await scheduler.engine.add_adapter(adapter(tmp_path, "alpha", b"\x01" * 64))
+    assert refused.value.field == "engine" and "KITE_VLLM_MAX_LORAS" in str(refused.value)
+    assert scheduler.engine.adapters == {}
+
+
+async def test_a_quarantined_namespace_reuses_nothing_on_vllm():
+    llm = ScriptedLLM([([5], "x", "length")])
+    scheduler, _ = make_scheduler(llm)
+    scheduler.quarantined.add(BASE.fingerprint_hex)
+    await serve(scheduler, request("a"))
+    params = llm.calls[0][1]
+    assert params.skip_reading_prefix_cache and params.extra_args is None
+
+
+# --- shadow verification ---------------------------------------------------------------------------------
+
+from kite_worker.shadow import ShadowVerifier  # noqa: E402
+
+SERVED_LOGPROBS = {5: -0.1, 6: -2.5, 7: -4.0}
+
+
+class ShadowLLM(ScriptedLLM):
+    """Serves with `cached` tokens reused and SERVED_LOGPROBS for the first token; a shadow recomputation
+    ("shadow-" request ids) answers `recomputed` after `recompute_s`."""
+
+    def __init__(self, recomputed: dict[int, float], recompute_s: float = 0.0):
+        super().__init__([([5], "x", "length")], cached=8)
+        self.recomputed, self.recompute_s = recomputed, recompute_s
+        self.aborted: list[str] = []
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        self.calls.append((prompt, params, request_id, lora_request))
+        shadow = request_id.startswith("shadow-")
+        try:
+            await asyncio.sleep(self.recompute_s if shadow else 0)
+        except asyncio.CancelledError:
+            self.aborted.append(request_id)
+            raise
+        logprobs = self.recomputed if shadow else SERVED_LOGPROBS
+        first = {t: SimpleNamespace(logprob=v) for t, v in logprobs.items()} if params.logprobs else None
+        yield SimpleNamespace(num_cached_tokens=0 if shadow else self.cached, finished=True, outputs=[
+            SimpleNamespace(token_ids=[5], text="x", finish_reason="length", stop_reason=None,
+                            logprobs=[first] if first else None)])
+
+
+def shadow_scheduler(llm):
+    outcomes = []
+    scheduler, events = make_scheduler(llm)
+    scheduler.shadow = ShadowVerifier.for_storage_dtype(1.0, "float16")
+    scheduler._on_shadow = outcomes.append
+    scheduler.shadow_idle_s = 0.05
+    scheduler.start()
+    return scheduler, outcomes
+
+
+async def wait_until(predicate, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.01)
+
+
+async def test_a_sampled_hit_is_recomputed_from_scratch_when_idle_and_judged_on_its_top_logprobs():
+    llm = ShadowLLM(recomputed={5: -0.1, 6: -2.5, 7: -4.0})
+    scheduler, outcomes = shadow_scheduler(llm)
+    await serve(scheduler, request("a"))
+    served = llm.calls[0][1]
+    assert served.logprobs == 20 and not served.skip_reading_prefix_cache
+    await wait_until(lambda: outcomes)
+    _, params, request_id, lora = llm.calls[1]
+    assert request_id.startswith("shadow-a") and lora is None
+    # From scratch: neither vLLM's prefix cache nor the connector (no KITE parameters).
+    assert params.skip_reading_prefix_cache and params.extra_args is None
+    assert (params.max_tokens, params.temperature, params.logprobs) == (1, 0.0, 20)
+    outcome = outcomes[0]
+    assert not outcome.diverged and outcome.divergence == pytest.approx(0.0, abs=1e-12)
+    assert outcome.check.num_reused_tokens == 8
+    scheduler.stop()
+
+
+async def test_a_diverging_hit_is_reported():
+    llm = ShadowLLM(recomputed={7: -0.05, 5: -3.5, 6: -4.5})  # another first token: other numerics
+    scheduler, outcomes = shadow_scheduler(llm)
+    await serve(scheduler, request("a"))
+    await wait_until(lambda: outcomes)
+    assert outcomes[0].diverged and outcomes[0].divergence > 1.0
+    scheduler.stop()
+
+
+async def test_a_request_arriving_during_a_recomputation_aborts_it_and_the_check_runs_later():
+    llm = ShadowLLM(recomputed=dict(SERVED_LOGPROBS), recompute_s=0.3)
+    scheduler, outcomes = shadow_scheduler(llm)
+    await serve(scheduler, request("a"))
+    await wait_until(lambda: any(c[2].startswith("shadow-") for c in llm.calls))
+    llm.recompute_s = 0.0
+    await serve(scheduler, request("b", reuse=False))  # a user's request: the check steps aside
+    assert llm.aborted and llm.aborted[0].startswith("shadow-a")
+    await wait_until(lambda: outcomes)
+    assert not outcomes[0].diverged and outcomes[0].check.request.request_id == "a"
+    assert scheduler.num_shadow_checks_waiting == 0
+    scheduler.stop()
+
+
+async def test_requests_without_a_hit_or_not_drawn_are_not_checked():
+    llm = ShadowLLM(recomputed=dict(SERVED_LOGPROBS))
+    llm.cached = 0
+    scheduler, outcomes = shadow_scheduler(llm)
+    await serve(scheduler, request("a"))  # drawn (fraction 1), but nothing was reused
+    scheduler.shadow.fraction = 0.0
+    llm.cached = 8
+    await serve(scheduler, request("b"))  # a hit, not drawn
+    assert llm.calls[1][1].logprobs is None
+    await asyncio.sleep(0.2)
+    assert outcomes == [] and not any(c[2].startswith("shadow-") for c in llm.calls)
+    scheduler.stop()

@@ -30,11 +30,12 @@ def load_engine(model_cfg: ModelConfig, worker_cfg: WorkerConfig, instance_id: s
     model_store.check_worker_device(model_cfg)
     local = model_store.prepare(model_cfg)
     identity = model_store.identity(local, model_cfg)
-    if model_cfg.engine == "vllm":
-        vllm_engine = VllmEngine(local, identity, model_cfg, worker_cfg, instance_id)
-        vllm_engine.start()
-        return LoadedModel(local, identity, vllm_engine)
     served_adapters = adapters.load_configured(model_cfg, local, identity)
+    load_adapter = adapters.loader(model_cfg, local, identity)
+    if model_cfg.engine == "vllm":
+        vllm_engine = VllmEngine(local, identity, model_cfg, worker_cfg, instance_id, served_adapters)
+        vllm_engine.start()
+        return LoadedModel(local, identity, vllm_engine, dict(served_adapters), load_adapter)
     engine = Engine(
         model=model_store.load_causal_lm(local, model_cfg),
         tokenizer=model_store.load_tokenizer(local),
@@ -47,7 +48,7 @@ def load_engine(model_cfg: ModelConfig, worker_cfg: WorkerConfig, instance_id: s
         max_context_tokens=local.max_context_tokens,
         adapters=served_adapters,
     )
-    return LoadedModel(local, identity, engine, served_adapters, adapters.loader(model_cfg, local, identity))
+    return LoadedModel(local, identity, engine, served_adapters, load_adapter)
 
 
 def refused(error: ErrorInfo) -> Admission:

@@ -138,11 +138,7 @@ class Engine:
     # --- admission ---------------------------------------------------------------------------------
 
     def identity_of(self, request: TokenizedRequest) -> ModelIdentity:
-        if not request.adapter:
-            return self.identity
-        if request.adapter not in self.adapters:
-            raise RequestRejected("model_not_found", f"this worker does not serve the adapter {request.adapter!r}")
-        return self.adapters[request.adapter].identity
+        return identity_of(request, self.identity, self.adapters)
 
     def new_sequence(self, request: TokenizedRequest) -> Sequence:
         identity = self.identity_of(request)
@@ -343,6 +339,16 @@ def attach_adapters(model, adapters: dict[str, Adapter]):
         model.load_adapter(str(adapter.path), adapter_name=adapter.name, is_trainable=False)
     model.eval()
     return model
+
+
+def identity_of(request: TokenizedRequest, base: ModelIdentity, adapters: dict[str, Adapter]) -> ModelIdentity:
+    """The identity a request runs under: its adapter's, or the base's; raises RequestRejected when this
+    worker does not serve its adapter (it was unloaded, or never loaded here)."""
+    if not request.adapter:
+        return base
+    if request.adapter not in adapters:
+        raise RequestRejected("model_not_found", f"this worker does not serve the adapter {request.adapter!r}")
+    return adapters[request.adapter].identity
 
 
 def validate_request(request: TokenizedRequest, identity: ModelIdentity, block_size: int,

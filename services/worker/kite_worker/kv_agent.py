@@ -3,7 +3,7 @@
 Boundary: lives in vLLM's engine-core process, beside the scheduler-side connector, on a thread of its
 own with its own asyncio loop and NATS connection (as LMCache's connector owns its I/O). The connector
 calls it from the scheduler thread through two methods only:
-- `fetch(hashes, tenant)`: blocks until the leading blocks the pool has (and the cost model says are
+- `fetch(hashes, tenant, model_fingerprint)`: blocks until the leading blocks the pool has (and the cost model says are
   cheaper to load than to compute) are verified and written to staging files; returns how many;
 - `publish(infos)`: blocks the model runner is saving to staging files this step; the agent waits for
   each file to appear, then hands the block to the pool (encoded as a recyclable unit with its HMAC).
@@ -89,6 +89,9 @@ def kv_events_endpoint(worker_id: str) -> str:
     return f"inproc://kite-kv-events-{worker_id}"
 
 
+STAGED_LOAD_GLOB = "in-*.kv"  # staged loads: removed by the worker's front end at a quarantine
+
+
 def staged_load_path(staging_dir: Path, block_hash: bytes) -> Path:
     return staging_dir / f"in-{bytes(block_hash).hex()}.kv"
 
@@ -139,7 +142,8 @@ class KVAgent:
         self.loader = PoolLoader(self.pool, tier_client, self.cost, self.options.model_fingerprint,
                                  self.options.unit_shape, self.options.storage_dtype, mac_key=self._ru_key,
                                  staging_bytes=0)  # staging is the files below, not the loader's memory
-        self._announcements: asyncio.Queue[list[tuple[str, list[BlockHash]]]] = asyncio.Queue()
+        self._announcements: asyncio.Queue[list[tuple[str, str, list[BlockHash]]]] = asyncio.Queue()
+        self._announced_models: set[str] = set()  # model fingerprints (hex) with blocks announced stored
         # No service runtime in vLLM's process: the same periodic work that survives failures, ended with the loop.
         self._announcer = asyncio.create_task(run_every(0, self._send_next_announcement,
                                                         "announcing cache changes to the ru-pool"))
@@ -158,14 +162,16 @@ class KVAgent:
 
     # --- loads (scheduler thread) --------------------------------------------------------------------------
 
-    def fetch(self, hashes: list[BlockHash], tenant: str) -> int:
-        """Leading blocks of `hashes` now staged (and pinned; `unpin` them when the request ends)."""
+    def fetch(self, hashes: list[BlockHash], tenant: str, model_fingerprint: str) -> int:
+        """Leading blocks of `hashes` (of the model `model_fingerprint`, hex: the base or an adapter) now
+        staged (and pinned; `unpin` them when the request ends)."""
         if not hashes:
             return 0
         num_staged = self._pin_staged_prefix(hashes)
         if num_staged == len(hashes) or not self._ready.is_set() or not self.options.pool_read:
             return num_staged
-        future: Future = asyncio.run_coroutine_threadsafe(self._fetch(hashes[num_staged:], tenant), self._loop)
+        future: Future = asyncio.run_coroutine_threadsafe(self._fetch(hashes[num_staged:], tenant, model_fingerprint),
+                                                       self._loop)
         try:
             fetched = future.result(timeout=self.options.fetch_timeout_s)
         except Exception as exc:  # a timeout or a tier error: those blocks are computed
@@ -181,13 +187,16 @@ class KVAgent:
                 key = bytes(block_hash)
                 if key not in self._staged:
                     break
+                if not staged_load_path(self.options.staging_dir, key).exists():  # removed at a quarantine
+                    del self._staged[key]
+                    break
                 self._staged[key] += 1
                 self._staged.move_to_end(key)
                 count += 1
             return count
 
-    async def _fetch(self, hashes: list[BlockHash], tenant: str) -> int:
-        loaded = await self.loader.load(hashes, 0, tenant)
+    async def _fetch(self, hashes: list[BlockHash], tenant: str, model_fingerprint: str) -> int:
+        loaded = await self.loader.load(hashes, 0, tenant, model_fingerprint)
         for block_hash, tensor in loaded:
             path = staged_load_path(self.options.staging_dir, block_hash)
             write_atomically(path, tensor.contiguous().view(torch.uint8).numpy().tobytes())
@@ -278,29 +287,30 @@ class KVAgent:
         codec = TORCH_DTYPE_TO_CODEC[str(self.options.storage_dtype).removeprefix("torch.")]
         return RecyclableUnit(
             block_hash=bytes(info.block_hash), parent_hash=bytes(info.parent_hash),
-            model_fingerprint=self.options.model_fingerprint, block_index=info.block_index,
+            model_fingerprint=info.model_fingerprint, block_index=info.block_index,
             num_tokens=self.options.block_size, codec=codec, shape=tuple(self.options.unit_shape),
             payload=payload, tenant_tag=tenant_tag(info.tenant),
         ).encode(key=self._ru_key)
 
     # --- what this worker holds (listener thread) ------------------------------------------------------------
 
-    def announce(self, changes: list[tuple[str, list[BlockHash]]]) -> None:
-        """vLLM's cache changed: ("stored" | "removed", hashes) or ("cleared", []), in order. Tells the
-        ru-pool's index, which attributes blocks to this worker for cache-aware routing, in the order of
-        the calls (one queue, one sender); returns at once."""
+    def announce(self, changes: list[tuple[str, str, list[BlockHash]]]) -> None:
+        """vLLM's cache changed: ("stored" | "removed", model fingerprint, hashes) or ("cleared", "", []),
+        in order. Tells the ru-pool's index, which attributes blocks to this worker for cache-aware
+        routing, in the order of the calls (one queue, one sender); returns at once."""
         if changes and self._ready.is_set():
             self._loop.call_soon_threadsafe(self._announcements.put_nowait, changes)
 
     async def _send_next_announcement(self) -> None:
-        fingerprint = self.options.model_fingerprint
-        for kind, hashes in await self._announcements.get():
+        for kind, fingerprint, hashes in await self._announcements.get():
             if kind == "stored":
+                self._announced_models.add(fingerprint)
                 await self.pool.block_stored(fingerprint, [bytes(h) for h in hashes])
             elif kind == "removed":
                 await self.pool.block_removed(fingerprint, [bytes(h) for h in hashes])
-            else:
-                await self.pool.block_removed(fingerprint, [], all_blocks=True)
+            else:  # vLLM dropped its whole cache: every namespace this worker announced blocks of
+                for model in sorted(self._announced_models | {self.options.model_fingerprint}):
+                    await self.pool.block_removed(model, [], all_blocks=True)
 
 
 def _masked(url: str) -> str:

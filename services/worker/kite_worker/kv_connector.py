@@ -178,7 +178,7 @@ class _SchedulerSide:
             self._learn(request, 0, plan.hashes)
             wanted = self.planner.wanted(request.request_id, num_computed_tokens)
             first = num_computed_tokens // self.block_size
-            num_staged = self.agent.fetch(wanted, params.tenant) if wanted else 0
+            num_staged = self.agent.fetch(wanted, params.tenant, bytes(plan.root).hex()) if wanted else 0
             self._pinned[request.request_id] = wanted[:num_staged]
             self.planner.set_loadable(request.request_id, first, num_staged)
             log.debug("request %s: vLLM has %d tokens, the pool supplies %d of %d wanted blocks",
@@ -226,10 +226,15 @@ class _SchedulerSide:
         return meta
 
     def _learn(self, request: "Request", first_block: int, kite_hashes: list[BlockHash]) -> None:
-        """Pair vLLM's hashes of these blocks with KITE's (vLLM hashes a block once its tokens are known)."""
+        """Pair vLLM's hashes of these blocks with KITE's (vLLM hashes a block once its tokens are known;
+        its hashes of an adapter's blocks include the adapter, as KITE's root does)."""
+        plan = self.planner.requests.get(request.request_id)
+        if plan is None:
+            return
         vllm_hashes = request.block_hashes[first_block:first_block + len(kite_hashes)]
         with self._mirror_lock:  # announcing under the lock keeps the two threads' changes in order
-            self.mirror.learn([maybe_convert_block_hash(h) for h in vllm_hashes], kite_hashes)
+            self.mirror.learn([maybe_convert_block_hash(h) for h in vllm_hashes], kite_hashes,
+                              bytes(plan.root).hex())
             self.agent.announce(self.mirror.take_events())
 
     def _on_kv_events(self, batch: KVEventBatch) -> None:

@@ -47,11 +47,13 @@ class RequestParams:
     # Leading prompt blocks the ru-pool held at admission (-1: unknown, the connector asks it): blocks past
     # it are not asked for, so the common miss never costs vLLM's scheduler a round trip to the pool.
     pool_blocks: int = -1
+    # Hex root of the request's model (a LoRA adapter's namespace); "" for the base the connector serves.
+    model_fingerprint: str = ""
 
     def encode(self) -> dict:
         return {"cache_salt": self.cache_salt, "tenant": self.tenant, "load": self.load, "save": self.save,
                 "save_generated": self.save_generated, "max_save_blocks": self.max_save_blocks,
-                "pool_blocks": self.pool_blocks}
+                "pool_blocks": self.pool_blocks, "model_fingerprint": self.model_fingerprint}
 
     @classmethod
     def decode(cls, raw: dict | None) -> "RequestParams | None":
@@ -61,13 +63,15 @@ class RequestParams:
                    load=bool(raw.get("load")), save=bool(raw.get("save")),
                    save_generated=bool(raw.get("save_generated")),
                    max_save_blocks=int(raw.get("max_save_blocks", -1)),
-                   pool_blocks=int(raw.get("pool_blocks", -1)))
+                   pool_blocks=int(raw.get("pool_blocks", -1)),
+                   model_fingerprint=str(raw.get("model_fingerprint", "")))
 
 
 @dataclass
 class RequestPlan:
     params: RequestParams
     num_prompt_tokens: int
+    root: BlockHash  # the request's model root: the base's or its adapter's (hashes and units are its own)
     hashes: list[BlockHash] = field(default_factory=list)  # chain over the tokens known so far
     block_ids: list[int] = field(default_factory=list)  # vLLM's paged block table (group 0)
     first_load_block: int = 0  # index of the first block the staged load covers
@@ -96,6 +100,7 @@ class SavedBlockInfo:
     parent_hash: BlockHash  # the previous block's hash, or the root for block 0
     block_index: int
     tenant: str
+    model_fingerprint: str  # hex root of the model that computed it (the base's or an adapter's)
 
 
 @dataclass
@@ -121,8 +126,9 @@ class KVPlanner:
     def track(self, request_id: str, params: RequestParams, prompt: Sequence[int]) -> RequestPlan:
         plan = self.requests.get(request_id)
         if plan is None:
-            plan = RequestPlan(params=params, num_prompt_tokens=len(prompt))
-            plan.hashes = block_hash_chain(prompt, self.block_size, self.root, params.cache_salt)
+            root = BlockHash(bytes.fromhex(params.model_fingerprint)) if params.model_fingerprint else self.root
+            plan = RequestPlan(params=params, num_prompt_tokens=len(prompt), root=root)
+            plan.hashes = block_hash_chain(prompt, self.block_size, root, params.cache_salt)
             self.requests[request_id] = plan
         return plan
 
@@ -191,7 +197,7 @@ class KVPlanner:
         limit = min(limit, len(all_token_ids) // self.block_size, len(plan.block_ids))
         if limit > len(plan.hashes):
             plan.hashes = block_hash_chain(all_token_ids[:limit * self.block_size], self.block_size,
-                                           self.root, plan.params.cache_salt)
+                                           plan.root, plan.params.cache_salt)
         for i in range(plan.next_save_block, limit):
             if i in plan.loaded_blocks or bytes(plan.hashes[i]) in self._known:
                 continue
@@ -209,8 +215,9 @@ class KVPlanner:
 
     def saved_info(self, request_id: str, copy: BlockCopy) -> SavedBlockInfo:
         plan = self.requests[request_id]
-        parent = plan.hashes[copy.block_index - 1] if copy.block_index > 0 else self.root
-        return SavedBlockInfo(copy.block_hash, parent, copy.block_index, plan.params.tenant)
+        parent = plan.hashes[copy.block_index - 1] if copy.block_index > 0 else plan.root
+        return SavedBlockInfo(copy.block_hash, parent, copy.block_index, plan.params.tenant,
+                              bytes(plan.root).hex())
 
     def finished(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -222,25 +229,28 @@ class LocalBlockMirror:
     the router know, so the fleet learns what this worker holds and what it evicted.
 
     vLLM names blocks by its own hashes only; the connector `learn`s the pairing for the blocks of the
-    requests it tracks. The two arrive in either order (a block computed by a request without KITE
-    parameters is stored before any tracked request names it), so the mirror keeps the set of vLLM blocks
-    held and announces a held block once both are known:
+    requests it tracks, with the model fingerprint (base or adapter) whose namespace they belong to. The
+    two arrive in either order (a block computed by a request without KITE parameters is stored before any
+    tracked request names it), so the mirror keeps the set of vLLM blocks held and announces a held block
+    once both are known:
     - `stored` / `learn`: a held block with a KITE hash is announced "stored" (once while held);
     - `removed`: an announced block is announced "removed"; `cleared`: everything is.
-    Announcements are drained with `take_events()` as ("stored" | "removed", KITE hashes) or
-    ("cleared", []), in order. Pairings are a bounded LRU and outlive evictions (the same prefix cached
-    again is announced under the same KITE hash); `held` is bounded by vLLM's own number of blocks."""
+    Announcements are drained with `take_events()` as ("stored" | "removed", model fingerprint, KITE
+    hashes) or ("cleared", "", []), in order. Pairings are a bounded LRU and outlive evictions (the same
+    prefix cached again is announced under the same KITE hash); `held` is bounded by vLLM's own number of
+    blocks."""
 
     def __init__(self, max_pairs: int = 1 << 18) -> None:
-        self._kite_of: OrderedDict[object, BlockHash] = OrderedDict()  # vLLM external hash -> KITE hash
+        # vLLM external hash -> (model fingerprint, KITE hash)
+        self._kite_of: OrderedDict[object, tuple[str, BlockHash]] = OrderedDict()
         self._max_pairs = max_pairs
         self.held: set[object] = set()  # vLLM hashes of the blocks in vLLM's cache now
-        self._announced: dict[object, BlockHash] = {}  # held blocks the index was told about
-        self._events: list[tuple[str, list[BlockHash]]] = []
+        self._announced: dict[object, tuple[str, BlockHash]] = {}  # held blocks the index was told about
+        self._events: list[tuple[str, str, list[BlockHash]]] = []
 
-    def learn(self, vllm_hashes: Sequence[object], kite_hashes: Sequence[BlockHash]) -> None:
+    def learn(self, vllm_hashes: Sequence[object], kite_hashes: Sequence[BlockHash], model_fingerprint: str) -> None:
         for vllm_hash, kite_hash in zip(vllm_hashes, kite_hashes):
-            self._kite_of[vllm_hash] = kite_hash
+            self._kite_of[vllm_hash] = (model_fingerprint, kite_hash)
             self._kite_of.move_to_end(vllm_hash)
         while len(self._kite_of) > self._max_pairs:
             self._kite_of.popitem(last=False)
@@ -254,33 +264,33 @@ class LocalBlockMirror:
         gone = []
         for vllm_hash in vllm_hashes:
             self.held.discard(vllm_hash)
-            kite_hash = self._announced.pop(vllm_hash, None)
-            if kite_hash is not None:
-                gone.append(kite_hash)
+            named = self._announced.pop(vllm_hash, None)
+            if named is not None:
+                gone.append(named)
         self._emit("removed", gone)
 
     def cleared(self) -> None:
         self.held.clear()
         self._announced.clear()
-        self._events.append(("cleared", []))
+        self._events.append(("cleared", "", []))
 
-    def take_events(self) -> list[tuple[str, list[BlockHash]]]:
+    def take_events(self) -> list[tuple[str, str, list[BlockHash]]]:
         events, self._events = self._events, []
         return events
 
     def _announce_held(self, vllm_hashes: Sequence[object]) -> None:
         new = []
         for vllm_hash in vllm_hashes:
-            kite_hash = self._kite_of.get(vllm_hash)
-            if kite_hash is not None and vllm_hash in self.held and vllm_hash not in self._announced:
-                self._announced[vllm_hash] = kite_hash
-                new.append(kite_hash)
+            named = self._kite_of.get(vllm_hash)
+            if named is not None and vllm_hash in self.held and vllm_hash not in self._announced:
+                self._announced[vllm_hash] = named
+                new.append(named)
         self._emit("stored", new)
 
-    def _emit(self, kind: str, hashes: list[BlockHash]) -> None:
-        if not hashes:
-            return
-        if self._events and self._events[-1][0] == kind:  # consecutive changes of one kind: one message
-            self._events[-1][1].extend(hashes)
-        else:
-            self._events.append((kind, hashes))
+    def _emit(self, kind: str, named: list[tuple[str, BlockHash]]) -> None:
+        for model_fingerprint, kite_hash in named:
+            last = self._events[-1] if self._events else None
+            if last is not None and last[0] == kind and last[1] == model_fingerprint:
+                last[2].append(kite_hash)  # consecutive changes of one kind and model: one message
+            else:
+                self._events.append((kind, model_fingerprint, [kite_hash]))

@@ -291,8 +291,8 @@ class Scheduler:
             self.ttft_samples.append(time.monotonic() - seq.admitted_at)
             finished = self._accept(stream, token)
             if seq.keep_logits and seq.num_cached_tokens > 0:
-                self.shadow.offer(ShadowCheck(seq.request, seq.identity.fingerprint_hex,
-                                              seq.first_token_logits, seq.num_cached_tokens))
+                self.shadow.offer(ShadowCheck(seq.request, seq.identity.fingerprint_hex, seq.num_cached_tokens,
+                                              reused_logits=seq.first_token_logits))
             # After the first token is on its way: packaging never delays time to first token.
             new_blocks = self.engine.store_prompt_blocks(seq)
             if new_blocks:

@@ -98,15 +98,16 @@ class WorkerService:
         # A TLS block stream is verified like NATS: with the cluster's CA (KITE_NATS_TLS_CA).
         self.pool = PoolClient(rt.nc, worker_id=rt.instance_id, stream_ssl=nats_auth_options(rt.common).get("tls"))
         self.outbox = PoolOutbox(self.pool, self.writes, cfg.pool_write, self.loop)
+        shadow = None
+        if cfg.shadow_fraction > 0 and loaded.engine.options.reuse:
+            shadow = ShadowVerifier.for_storage_dtype(cfg.shadow_fraction, loaded.identity.execution.kv_storage_dtype,
+                                                      cfg.shadow_kl_tolerance)
         if self.on_vllm:
             self.scheduler = VllmScheduler(loaded.engine, cfg.max_queued, emit=self._emit_from_engine,
-                                           save_limit=self._vllm_save_limit, pool_blocks=self._pool_blocks)
+                                           save_limit=self._vllm_save_limit, pool_blocks=self._pool_blocks,
+                                           shadow=shadow, on_shadow=self._shadow_checked,
+                                           shadow_idle_s=cfg.shadow_idle_s)
         else:
-            shadow = None
-            if cfg.shadow_fraction > 0 and loaded.engine.options.reuse:
-                shadow = ShadowVerifier.for_storage_dtype(cfg.shadow_fraction,
-                                                          loaded.identity.execution.kv_storage_dtype,
-                                                          cfg.shadow_kl_tolerance)
             self.scheduler = Scheduler(loaded.engine, cfg.max_running, cfg.max_queued,
                                        emit=self._emit_from_engine, on_new_blocks=self.outbox.add_blocks,
                                        on_cache_events=self.outbox.add_cache_events, shadow=shadow,
@@ -126,7 +127,6 @@ class WorkerService:
         self._last_computed = 0
         self._ttft_new: deque[float] = deque(maxlen=1000)  # for the control plane's next telemetry
         self._shadow_dropped = 0  # ShadowVerifier.num_dropped already counted in SHADOW_DROPPED
-        self._quarantines_seen: set[str] = set()  # vLLM: quarantines already logged
 
     async def start(self) -> None:
         """Start the engine (and the pool loader); tell the ru-pool this worker's cache is empty."""
@@ -135,6 +135,10 @@ class WorkerService:
             await self.tier_client.start()
             self.loader = self._make_loader()
         self.scheduler.start()
+        if self.on_vllm:  # weights loaded now; an adapter vLLM cannot load is not served
+            await self.loaded.engine.load_adapters()
+            for name in set(self.loaded.adapters) - set(self.loaded.engine.adapters):
+                del self.loaded.adapters[name]
         # A (re)started worker has an empty cache: whatever the pool's index remembers of it is gone.
         for identity in self.loaded.identities():
             await self.pool.block_removed(identity.fingerprint_hex, [], all_blocks=True)
@@ -222,7 +226,7 @@ class WorkerService:
         self._last_computed = engine.num_prompt_tokens_computed
         QUEUE_DEPTH.set(self.scheduler.num_queued)
         RUNNING.set(self.scheduler.num_running)
-        shadow = None if self.on_vllm else self.scheduler.shadow
+        shadow = self.scheduler.shadow
         if shadow is not None:  # drops count even while no check completes (a worker never idle)
             SHADOW_WAITING.set(self.scheduler.num_shadow_checks_waiting)
             SHADOW_DROPPED.inc(shadow.num_dropped - self._shadow_dropped)
@@ -291,15 +295,21 @@ class WorkerService:
 
     async def adapter_admin(self, req: AdapterAdminRequest) -> AdapterAdminReply:
         """`kite adapter load|unload` (docs/adapters.md): the contract is checked here too, then the engine
-        thread loads the weights between two steps; requests of an unloaded adapter are refused."""
-        if self.on_vllm or self.loaded.load_adapter is None:
-            raise Refusal(ErrorInfo(code="unsupported", param="engine",
-                                    message="this worker's engine loads no adapters (the transformers engine does)"))
+        loads the weights between two steps; requests of an unloaded adapter are refused."""
+        if self.loaded.load_adapter is None:
+            raise Refusal(ErrorInfo(code="unsupported", param="engine", message="this worker loads no adapters"))
         return await adapters.answer_admin(req, self.loaded.adapters, self.loaded.load_adapter, "worker",
                                            self.rt.instance_id, self._apply_adapter)
 
     async def _apply_adapter(self, name: str, adapter: Adapter | None) -> None:
         engine = self.loaded.engine
+        if self.on_vllm:  # vLLM names each load apart (vllm_engine.py): no wait for an older one's requests
+            if adapter is None:
+                await engine.remove_adapter(name, in_use=self.scheduler.uses_adapter(name))
+            else:
+                await engine.add_adapter(adapter)
+                await self.pool.block_removed(adapter.identity.fingerprint_hex, [], all_blocks=True)
+            return
 
         def swap() -> None:
             if adapter is None:
@@ -321,7 +331,8 @@ class WorkerService:
         return f"{self.loaded.local.name}:{adapter}" if adapter else self.loaded.local.name
 
     def _shadow_checked(self, outcome: ShadowOutcome) -> None:
-        """From the engine thread: count the outcome, say so in the log, and tell the fleet."""
+        """From the engine thread (vLLM: the event loop): count the outcome, say so in the log, and tell the
+        fleet."""
         check = outcome.check
         namespace = self.namespace(check.request.adapter)
         SHADOW_CHECKS.labels(namespace, "diverged" if outcome.diverged else "match").inc()
@@ -349,12 +360,17 @@ class WorkerService:
     def quarantine(self, model_fingerprint: str, quarantined: bool) -> None:
         """control.Worker: the arbitrator (un)quarantined a namespace."""
         if self.on_vllm:
+            if quarantined == (model_fingerprint in self.scheduler.quarantined):
+                return  # decisions are repeated every 5 s
             if not quarantined:
-                self._quarantines_seen.discard(model_fingerprint)
-            elif model_fingerprint not in self._quarantines_seen:  # decisions are repeated every 5 s
-                self._quarantines_seen.add(model_fingerprint)
-                log.warning("quarantine of %s: the vLLM engine keeps its own prefix cache (the pool refuses "
-                            "the namespace's blocks)", model_fingerprint[:16])
+                self.scheduler.quarantined.discard(model_fingerprint)
+                return
+            self.scheduler.quarantined.add(model_fingerprint)
+            log.warning("quarantine of %s: its requests reuse nothing; vLLM's prefix cache and the staged "
+                        "pool blocks are dropped", model_fingerprint[:16])
+            task = asyncio.create_task(self.loaded.engine.drop_reused_kv())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
             return
         if quarantined != (model_fingerprint in self.loaded.engine.quarantined):
             self.scheduler.quarantine(model_fingerprint, quarantined)

@@ -14,16 +14,22 @@ The algorithm:
      the result goes to the arbitrator, which quarantines the namespace fleet-wide.
 
 Why the first token's distribution: it depends on every reused position through attention, costs no extra
-forward pass on the served request, and is what decides the answer. Why KL and these tolerances: storing
+forward pass on the served request, and is what decides the answer. On vLLM the engine hands out the
+first token's top-K log-probabilities (K = TOP_LOGPROBS), not its logits: the divergence is then the KL of
+the distributions coarsened to those tokens plus one bucket for the rest of the vocabulary
+(`top_logprobs_divergence`), which never exceeds the full KL, so a tolerance that holds for the full KL
+holds for it. Why KL and these tolerances: storing
 KV rounds it; measured on SmolLM2-135M over 16 prompts with reuse against recompute, the largest KL was
 1.1e-6 (float16 storage), 8.8e-5 (bfloat16), 1.8e-11 (float32). The defaults sit about 100x above those,
 far below what other numerics give (a rope theta of 10,000 instead of 100,000: KL > 1).
 
-Pure logic over tensors: no NATS, no threads (the scheduler drives it from the engine thread).
+Pure logic over tensors: no NATS, no threads (the reference scheduler drives it from its engine thread,
+the vLLM front end from its event loop).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections import deque
 from dataclasses import dataclass
@@ -36,14 +42,19 @@ from kite_shared.messages import TokenizedRequest
 DEFAULT_TOLERANCES = {"float32": 1e-6, "float16": 1e-4, "bfloat16": 5e-3}
 
 
+TOP_LOGPROBS = 20  # vLLM: log-probabilities kept of a sampled request's first token (vLLM's max_logprobs)
+
+
 @dataclass
 class ShadowCheck:
     """A served cache hit waiting for its recomputation."""
 
     request: TokenizedRequest  # as served (its adapter, salt and hashes): recomputed with reuse off
     model_fingerprint: str  # hex: the namespace whose blocks it reused
-    reused_logits: torch.Tensor  # first-token logits of the served request, float32 [vocab]
     num_reused_tokens: int
+    reused_logits: torch.Tensor | None = None  # reference engine: first-token logits, float32 [vocab]
+    reused_top_logprobs: dict[int, float] | None = None  # vLLM: token id -> log-probability, its top K
+    num_interrupted: int = 0  # vLLM: recomputations a user's request aborted
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,28 @@ def first_token_divergence(recomputed: torch.Tensor, reused: torch.Tensor) -> fl
     log_p = torch.log_softmax(recomputed.double(), dim=-1)
     log_q = torch.log_softmax(reused.double(), dim=-1)
     return max(0.0, float((log_p.exp() * (log_p - log_q)).sum()))
+
+
+def top_logprobs_divergence(recomputed: dict[int, float], reused: dict[int, float]) -> float:
+    """KL(recomputed || reused) in nats over the recomputed top-K tokens plus one bucket for the rest.
+    A token in the recomputed top K but not in the reused one gets the smallest reused log-probability
+    (an upper bound of its own): the estimate stays a lower bound of the full KL."""
+    if not recomputed:
+        return 0.0
+    floor = min(reused.values()) if reused else float("-inf")
+    divergence = 0.0
+    p_rest, q_rest = 1.0, 1.0
+    for token, log_p in recomputed.items():
+        log_q = reused.get(token, floor)
+        p, q = math.exp(log_p), math.exp(log_q)
+        p_rest -= p
+        q_rest -= q
+        if p > 0:
+            divergence += p * (log_p - log_q) if q > 0 else math.inf
+    p_rest, q_rest = max(p_rest, 0.0), max(q_rest, 0.0)
+    if p_rest > 1e-12:
+        divergence += p_rest * math.log(p_rest / q_rest) if q_rest > 0 else math.inf
+    return max(0.0, divergence)
 
 
 class ShadowVerifier:
@@ -107,9 +140,20 @@ class ShadowVerifier:
     def take(self) -> ShadowCheck | None:
         return self._pending.popleft() if self._pending else None
 
+    def put_back(self, check: ShadowCheck) -> None:
+        """A taken check that could not run now: first again."""
+        self._pending.appendleft(check)
+
     def judge(self, check: ShadowCheck, recomputed_logits: torch.Tensor) -> ShadowOutcome:
-        outcome = ShadowOutcome(check, first_token_divergence(recomputed_logits, check.reused_logits),
-                                self.tolerance)
+        """The reference engine's check: full first-token logits on both sides."""
+        return self._outcome(check, first_token_divergence(recomputed_logits, check.reused_logits))
+
+    def judge_top_logprobs(self, check: ShadowCheck, recomputed: dict[int, float]) -> ShadowOutcome:
+        """vLLM's check: the first token's top-K log-probabilities on both sides."""
+        return self._outcome(check, top_logprobs_divergence(recomputed, check.reused_top_logprobs or {}))
+
+    def _outcome(self, check: ShadowCheck, divergence: float) -> ShadowOutcome:
+        outcome = ShadowOutcome(check, divergence, self.tolerance)
         self.num_checked += 1
         self.num_diverged += outcome.diverged
         return outcome

@@ -39,21 +39,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable
 
+from kite_shared.adapters import Adapter, AdapterRefused
 from kite_shared.config import ModelConfig, WorkerConfig
 from kite_shared.fingerprint import BlockHash
 from kite_shared.messages import (ErrorInfo, Message, StreamEnd, StreamError, TokenChunk, TokenizedRequest,
                                   Usage)
 from kite_shared.model_store import LocalModel, ModelIdentity
 from kite_shared.service import terminate_children
-from kite_worker.engine import RequestRejected, validate_request
-from kite_worker.kv_agent import ConnectorOptions, kv_events_endpoint
+from kite_worker.engine import RequestRejected, identity_of, validate_request
+from kite_worker.kv_agent import STAGED_LOAD_GLOB, ConnectorOptions, kv_events_endpoint
 from kite_worker.kv_plan import PARAMS_KEY, RequestParams
+from kite_worker.shadow import TOP_LOGPROBS, ShadowCheck, ShadowOutcome, ShadowVerifier
 
 log = logging.getLogger(__name__)
 
 EmitFn = Callable[[str, Message], None]
 SaveLimitFn = Callable[[TokenizedRequest, list[BlockHash]], int]  # write policy: blocks to save (-1: all)
 PoolBlocksFn = Callable[[TokenizedRequest], Awaitable[int]]  # leading prompt blocks the ru-pool holds
+ShadowFn = Callable[[ShadowOutcome], None]
+MAX_SHADOW_INTERRUPTIONS = 3  # a check a user request interrupted this often is dropped (the worker is busy)
 
 
 @dataclass(frozen=True)
@@ -73,8 +77,12 @@ class VllmSequence:
     """One admitted request (the reference engine's Sequence, for what the worker service reads)."""
 
     request: TokenizedRequest
+    identity: ModelIdentity  # the base's, or the request's adapter's
     prompt_hashes: list[BlockHash]
     reuse: bool
+    lora: object | None = None  # vLLM's LoRARequest of the request's adapter (kept if it is unloaded meanwhile)
+    shadow_sampled: bool = False  # drawn for a shadow check: its first token's top log-probabilities are kept
+    first_top_logprobs: dict[int, float] | None = None
     expected_computed_tokens: int = 0  # prompt tokens vLLM is expected to compute (not reuse)
     num_mirror_hits: int = 0  # leading blocks vLLM's prefix cache is expected to hold (PrefixMirror)
     backlog_at_admission: int = 0  # expected prompt tokens to compute before this one's first token
@@ -92,9 +100,16 @@ class VllmEngine:
     """vLLM's AsyncLLM, configured for KITE: one per worker process."""
 
     def __init__(self, local: LocalModel, identity: ModelIdentity, model_cfg: ModelConfig,
-                 worker_cfg: WorkerConfig, worker_id: str) -> None:
+                 worker_cfg: WorkerConfig, worker_id: str, adapters: dict[str, Adapter] | None = None) -> None:
         self.local = local
         self.identity = identity
+        self.adapters = dict(adapters or {})  # served now, by name
+        # vLLM names an adapter by its name and path in its block hashes: a name with the content digest
+        # keeps a reloaded adapter of the same name and path from reusing the old weights' cached KV.
+        self._lora_requests: dict[str, object] = {}  # adapter name -> its vllm LoRARequest
+        self._next_lora_id = 1  # vLLM wants a new integer id per adapter it has not seen
+        self.max_loras = worker_cfg.vllm_max_loras or min(4, len(self.adapters))  # 0: no LoRA layers
+        self.max_lora_rank = model_cfg.max_lora_rank
         self.block_size = model_cfg.block_size
         self.max_context_tokens = local.max_context_tokens
         self.options = VllmOptions(
@@ -143,8 +158,72 @@ class VllmEngine:
             enforce_eager=self.options.enforce_eager, max_model_len=self.max_context_tokens,
             max_num_seqs=self.options.max_num_seqs, disable_log_stats=True,
             kv_cache_memory_bytes=int(self.options.kv_cache_gib * (1 << 30)),
-            kv_transfer_config=kv_transfer, kv_events_config=kv_events)
+            kv_transfer_config=kv_transfer, kv_events_config=kv_events,
+            enable_lora=self.max_loras > 0, max_loras=max(1, self.max_loras), max_lora_rank=self.max_lora_rank)
         self.llm = AsyncLLM.from_engine_args(args)
+        for adapter in self.adapters.values():
+            self._register_lora(adapter)
+
+    # --- LoRA adapters ------------------------------------------------------------------------------------
+
+    def identity_of(self, request: TokenizedRequest) -> ModelIdentity:
+        return identity_of(request, self.identity, self.adapters)
+
+    def lora_request(self, adapter: str):
+        """vLLM's LoRARequest for a served adapter's requests (None for the base)."""
+        return self._lora_requests[adapter] if adapter else None
+
+    def serves_lora(self, lora) -> bool:
+        """Whether `lora` (a LoRARequest) is a served adapter's, not one unloaded since."""
+        return any(lora is served for served in self._lora_requests.values())
+
+    def _register_lora(self, adapter: Adapter):
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(lora_name=f"{adapter.name}-{adapter.digest[:16]}", lora_int_id=self._next_lora_id,
+                              lora_path=str(adapter.path))
+        self._next_lora_id += 1
+        self._lora_requests[adapter.name] = request
+        return request
+
+    async def load_adapters(self) -> None:
+        """Load the configured adapters' weights now, not at their first request; one vLLM cannot load
+        is dropped (logged with its error), and the base and the others keep serving."""
+        for name in list(self.adapters):
+            try:
+                await self.add_adapter(self.adapters.pop(name))
+            except AdapterRefused as exc:
+                log.error("%s", exc)
+
+    async def add_adapter(self, adapter: Adapter) -> None:
+        """Load `adapter` into vLLM (between two of its steps); raises AdapterRefused if it cannot serve."""
+        if self.max_loras == 0:
+            raise AdapterRefused(adapter.name, "engine", "this vLLM worker started without LoRA layers: set "
+                                                         "KITE_VLLM_MAX_LORAS (or KITE_ADAPTERS) and restart it")
+        request = self._register_lora(adapter)
+        try:
+            await self.llm.add_lora(request)
+        except Exception as exc:  # vLLM's loader names what it cannot take (a target module, a rank)
+            del self._lora_requests[adapter.name]
+            raise AdapterRefused(adapter.name, "weights", f"vLLM cannot load it: {exc}") from exc
+        self.adapters[adapter.name] = adapter
+
+    async def remove_adapter(self, name: str, in_use: bool) -> None:
+        """New requests of `name` are refused from now on; vLLM drops its weights unless requests still
+        use them (`in_use`: they finish with them, and vLLM's LRU of adapters evicts them later)."""
+        del self.adapters[name]
+        request = self._lora_requests.pop(name)
+        if not in_use:
+            await self.llm.remove_lora(request.lora_int_id)
+
+    async def drop_reused_kv(self) -> None:
+        """A namespace was quarantined: forget every block vLLM holds (its prefix cache does not tell
+        loaded blocks from computed ones, nor one namespace's from another's; requests running now are
+        preempted and recomputed by vLLM) and the pool blocks staged for loading."""
+        if not await self.llm.reset_prefix_cache(reset_running_requests=True):
+            log.error("vLLM did not reset its prefix cache after a quarantine")
+        for staged in self.options.staging_dir.glob(STAGED_LOAD_GLOB):
+            staged.unlink(missing_ok=True)
 
     def shutdown(self) -> None:
         if self.llm is not None:
@@ -218,13 +297,22 @@ def _set_cpu_environment(num_threads: int) -> None:
 
 class VllmScheduler:
     def __init__(self, engine: VllmEngine, max_queued: int, emit: EmitFn,
-                 save_limit: SaveLimitFn | None = None, pool_blocks: PoolBlocksFn | None = None) -> None:
+                 save_limit: SaveLimitFn | None = None, pool_blocks: PoolBlocksFn | None = None,
+                 shadow: ShadowVerifier | None = None, on_shadow: ShadowFn | None = None,
+                 shadow_idle_s: float = 0.2) -> None:
         self.engine = engine
+        self.shadow = shadow
+        self._on_shadow = on_shadow
+        self.shadow_idle_s = shadow_idle_s
+        self._busy_at = time.monotonic()  # when a request last arrived or ended
+        self._shadow_runner: asyncio.Task | None = None
+        self._shadow_recompute: asyncio.Task | None = None  # the check being recomputed now
         self.max_queued = max_queued
         self._emit = emit
         self._save_limit = save_limit
         self._pool_blocks = pool_blocks
         self._active: dict[str, VllmSequence] = {}  # reserved or generating
+        self.quarantined: set[str] = set()  # model fingerprints (hex) whose requests reuse nothing
         self._stopped = False
         self.ttft_samples: deque[float] = deque(maxlen=1000)
         self.max_running = engine.options.max_num_seqs
@@ -234,7 +322,9 @@ class VllmScheduler:
     # --- the worker service's interface ---------------------------------------------------------------
 
     def start(self) -> None:
-        return  # vLLM's engine was started when the worker loaded it
+        """vLLM's engine was started when the worker loaded it; shadow checks run from now on."""
+        if self.shadow is not None and self._shadow_runner is None:
+            self._shadow_runner = asyncio.get_running_loop().create_task(self._run_shadow_checks())
 
     @property
     def alive(self) -> bool:
@@ -262,18 +352,25 @@ class VllmScheduler:
         return running, backlog
 
     def reserve(self, request: TokenizedRequest) -> VllmSequence:
-        hashes = validate_request(request, self.engine.identity, self.engine.block_size,
-                                  self.engine.max_context_tokens)
+        identity = self.engine.identity_of(request)
+        hashes = validate_request(request, identity, self.engine.block_size, self.engine.max_context_tokens)
         if self._stopped:
             raise RequestRejected("shutting_down", "this worker is draining")
         if len(self._active) >= self.engine.options.max_num_seqs + self.max_queued:
             raise RequestRejected("overloaded", "worker queue is full")
-        seq = VllmSequence(request=request, prompt_hashes=hashes, reuse=self.engine.options.reuse and request.reuse)
+        seq = VllmSequence(request=request, identity=identity, prompt_hashes=hashes,
+                           reuse=self.engine.options.reuse and request.reuse
+                           and identity.fingerprint_hex not in self.quarantined,
+                           lora=self.engine.lora_request(request.adapter))
         seq.num_mirror_hits = self._mirror.leading_hits(hashes) if seq.reuse else 0
         seq.expected_computed_tokens = len(request.prompt_token_ids) - seq.num_mirror_hits * self.engine.block_size
         seq.backlog_at_admission = self.load_snapshot()[1] + seq.expected_computed_tokens
         self._mirror.add(hashes)
+        seq.shadow_sampled = seq.reuse and self.shadow is not None and self.shadow.draw()
         self._active[seq.request_id] = seq
+        self._busy_at = time.monotonic()
+        if self._shadow_recompute is not None:  # a user's request never waits behind a check
+            self._shadow_recompute.cancel()
         return seq
 
     def enqueue(self, seq: VllmSequence) -> None:
@@ -297,8 +394,22 @@ class VllmScheduler:
     def idle(self) -> bool:
         return not self._active
 
+    def uses_adapter(self, name: str) -> bool:
+        """Whether a request of this adapter is reserved or generating."""
+        return any(seq.request.adapter == name for seq in self._active.values())
+
     def stop(self) -> None:
         self._stopped = True
+        for task in (self._shadow_runner, self._shadow_recompute):
+            if task is not None:
+                task.cancel()
+
+    @property
+    def num_shadow_checks_waiting(self) -> int:
+        """Checks queued or being recomputed (0 without shadow verification)."""
+        if self.shadow is None:
+            return 0
+        return self.shadow.num_pending + (self._shadow_recompute is not None)
 
     def join(self, timeout: float | None = None) -> None:
         return
@@ -326,12 +437,14 @@ class VllmScheduler:
                 load=self.engine.options.pool_read, save=self.engine.options.pool_write,
                 save_generated=self.engine.options.cache_generated,
                 max_save_blocks=self._save_limit(seq.request, seq.prompt_hashes) if self._save_limit else -1,
-                pool_blocks=pool_blocks)
+                pool_blocks=pool_blocks,
+                model_fingerprint=seq.identity.fingerprint_hex if seq.request.adapter else "")
             extra = {"kv_transfer_params": {PARAMS_KEY: params.encode()}}
         return SamplingParams(
             n=1, temperature=s.temperature, top_p=s.top_p, seed=s.seed, stop=list(s.stop) or None,
             max_tokens=s.max_tokens, ignore_eos=s.ignore_eos, output_kind=RequestOutputKind.DELTA,
-            skip_reading_prefix_cache=not seq.reuse, extra_args=extra)
+            skip_reading_prefix_cache=not seq.reuse, extra_args=extra,
+            logprobs=TOP_LOGPROBS if seq.shadow_sampled else None)
 
     async def _generate(self, seq: VllmSequence) -> None:
         from vllm.inputs import TokensPrompt
@@ -348,12 +461,14 @@ class VllmScheduler:
             pool_blocks = (await self._pool_blocks_worth_knowing(seq)
                            if seq.reuse and self.engine.options.pool_read else -1)
             sampling = self._sampling_params(seq, pool_blocks)
-            async for out in self.engine.llm.generate(prompt, sampling, request.request_id):
+            async for out in self.engine.llm.generate(prompt, sampling, request.request_id, lora_request=seq.lora):
+                completion = out.outputs[0]
                 if seq.first_token_at is None:
                     seq.first_token_at = time.monotonic()
                     self.ttft_samples.append(seq.first_token_at - seq.admitted_at)
                     cached = out.num_cached_tokens or 0
-                completion = out.outputs[0]
+                    if seq.shadow_sampled and completion.logprobs:
+                        seq.first_top_logprobs = _top_logprobs(completion.logprobs[0])
                 ids = list(completion.token_ids)
                 if out.finished:  # the finishing delta travels in StreamEnd: the stream closes in one message
                     finish_reason = _FINISH_REASONS.get(completion.finish_reason or "", "stop")
@@ -374,8 +489,13 @@ class VllmScheduler:
             self._emit(request.stream_subject, StreamError(
                 request_id=request.request_id, seq=next_event,
                 error=ErrorInfo(code="internal_error", message=f"worker error: {exc}")))
+            await self._drop_unloaded_lora(seq)
             return
         self._active.pop(request.request_id, None)
+        self._busy_at = time.monotonic()
+        if seq.first_top_logprobs is not None and cached > 0:
+            self.shadow.offer(ShadowCheck(request, seq.identity.fingerprint_hex, cached,
+                                          reused_top_logprobs=seq.first_top_logprobs))
         self._measure(seq, len(request.prompt_token_ids) - cached)
         self.engine.num_prompt_tokens_reused += cached
         self.engine.num_prompt_tokens_computed += len(request.prompt_token_ids) - cached
@@ -386,6 +506,74 @@ class VllmScheduler:
             usage=Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=seq.num_generated,
                         cached_tokens=cached),
             ttft_s=ttft))
+        await self._drop_unloaded_lora(seq)
+
+    # --- shadow verification (docs/verification.md) ---------------------------------------------------------
+
+    async def _run_shadow_checks(self) -> None:
+        """Recompute the oldest waiting check once no request has arrived or run for `shadow_idle_s`.
+        vLLM cannot run a prompt a few tokens at a time beside other requests, so a request that arrives
+        during a recomputation aborts it (it waits for vLLM's current step at most) and the check waits
+        for the next idle moment; one interrupted MAX_SHADOW_INTERRUPTIONS times is dropped."""
+        while not self._stopped:
+            idle_for = time.monotonic() - self._busy_at
+            if self._active or not self.shadow.has_pending() or idle_for < self.shadow_idle_s:
+                await asyncio.sleep(max(self.shadow_idle_s - idle_for, self.shadow_idle_s / 4))
+                continue
+            check = self.shadow.take()
+            self._shadow_recompute = asyncio.get_running_loop().create_task(self._recompute(check))
+            try:
+                recomputed = await self._shadow_recompute
+            except asyncio.CancelledError:
+                if self._stopped:
+                    raise
+                check.num_interrupted += 1
+                if check.num_interrupted < MAX_SHADOW_INTERRUPTIONS:
+                    self.shadow.put_back(check)
+                else:
+                    self.shadow.num_dropped += 1
+                continue
+            except (RequestRejected, KeyError) as exc:  # its adapter is gone (or was replaced) since
+                log.info("shadow check of %s skipped: %s", check.request.request_id, exc)
+                continue
+            except Exception:
+                log.exception("shadow check of %s failed", check.request.request_id)
+                continue
+            finally:
+                self._shadow_recompute = None
+            if self._on_shadow is not None:
+                self._on_shadow(self.shadow.judge_top_logprobs(check, recomputed))
+
+    async def _recompute(self, check: ShadowCheck) -> dict[int, float]:
+        """The first token's top log-probabilities of the check's prompt computed from scratch: neither
+        vLLM's prefix cache nor the pool is read, and the connector is not involved (no KITE parameters)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        request = check.request
+        if self.engine.identity_of(request).fingerprint_hex != check.model_fingerprint:
+            raise RequestRejected("model_not_found", "its adapter was reloaded with other weights")
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=1, logprobs=TOP_LOGPROBS,
+                                skip_reading_prefix_cache=True, output_kind=RequestOutputKind.FINAL_ONLY)
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids), cache_salt=request.cache_salt or None)
+        final = None
+        async for out in self.engine.llm.generate(prompt, params, f"shadow-{request.request_id}-{check.num_interrupted}",
+                                                  lora_request=self.engine.lora_request(request.adapter)):
+            final = out
+        if final is None or not final.outputs[0].logprobs:
+            raise RuntimeError("vLLM returned no log-probabilities")
+        return _top_logprobs(final.outputs[0].logprobs[0])
+
+    async def _drop_unloaded_lora(self, seq: VllmSequence) -> None:
+        """The last request of an adapter unloaded while it ran has ended: vLLM drops its weights now."""
+        if seq.lora is None or self.engine.serves_lora(seq.lora):
+            return
+        if not any(other.lora is seq.lora for other in self._active.values()):
+            try:
+                await self.engine.llm.remove_lora(seq.lora.lora_int_id)
+            except Exception as exc:  # its weights stay until vLLM's LRU of adapters evicts them
+                log.warning("vLLM could not drop the unloaded adapter %s: %r", seq.request.adapter, exc)
 
     def _measure(self, seq: VllmSequence, computed: int) -> None:
         engine = self.engine
@@ -404,6 +592,11 @@ class VllmScheduler:
     def _eos_token_ids(self) -> frozenset[int]:
         eos = self.engine.local.hf_config.get("eos_token_id")
         return frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+def _top_logprobs(position) -> dict[int, float]:
+    """vLLM's log-probabilities of one position (token id -> Logprob) as token id -> float."""
+    return {int(token): float(lp.logprob) for token, lp in position.items()}
 
 
 _FINISH_REASONS = {"length": "length", "abort": "cancelled"}  # vLLM's "stop" (EOS or a stop string) stays
