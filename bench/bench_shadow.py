@@ -1,7 +1,7 @@
 """What shadow verification costs a user: mean time to first token with KITE_SHADOW_FRACTION off, at the
 default 1%, and at 100% (every hit re-checked: the worst case), side by side in one run (issue 16).
 
-Starts one stack per fraction (the reference engine, one worker each; they stay up for the whole run) and
+Starts one stack per fraction (one worker each, on --engine; they stay up for the whole run) and
 sends each the same load: the `system-prompt` workload of `kite bench` (one shared system prompt, distinct
 questions), streamed, at --concurrency. Rounds alternate which stack goes first, and every (round, stack)
 gets a fresh cache salt, so each round computes its system prompt once and then hits it. Shadow checks run
@@ -15,7 +15,8 @@ Prints per fraction: requests, mean and p50 TTFT, the ratio of mean TTFT to the 
 and per round), the shadow checks the worker ran and dropped (its /metrics), and whether every answer
 equalled the run without shadow.
 
-    .venv/bin/python bench/bench_shadow.py [--rounds 6] [--requests 16] [--concurrency 1] [--json PATH]
+    .venv/bin/python bench/bench_shadow.py [--engine transformers|vllm] [--rounds 6] [--requests 16]
+        [--concurrency 1] [--think-s 0] [--json PATH]
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ from kite_cli.bench.systems import KiteSystem
 from kite_cli.stack import LocalStack, StackOptions
 
 FRACTIONS = {"off": "0", "1%": "0.01", "100%": "1.0"}
+ENGINE_ENV = {
+    "transformers": {"KITE_ENGINE": "transformers"},
+    # Eager (no torch.compile): three vLLM workers start in minutes on two cores, not a quarter of an hour.
+    "vllm": {"KITE_ENGINE": "vllm", "KITE_VLLM_ENFORCE_EAGER": "on", "KITE_VLLM_KV_CACHE_GIB": "0.5"},
+}
 
 
 def worker_counter(stack: LocalStack, name: str) -> float:
@@ -55,6 +61,7 @@ def wait_until_checked(stack: LocalStack, timeout_s: float = 300.0) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=sorted(ENGINE_ENV), default="transformers")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--requests", type=int, default=16, help="requests per round and stack")
     parser.add_argument("--concurrency", type=int, default=1)
@@ -68,8 +75,8 @@ def main() -> int:
     try:
         for label, fraction in FRACTIONS.items():
             stack = LocalStack(StackOptions(num_workers=1, metrics=True, env={
-                "KITE_ENGINE": "transformers", "KITE_SHADOW_FRACTION": fraction}))
-            stack.start()
+                **ENGINE_ENV[args.engine], "KITE_SHADOW_FRACTION": fraction}))
+            stack.start(timeout_s=400)
             stacks[label] = stack
         ttfts: dict[str, list[float]] = {label: [] for label in FRACTIONS}
         round_means: dict[str, list[float]] = {label: [] for label in FRACTIONS}
@@ -98,7 +105,7 @@ def main() -> int:
                 wait_until_checked(stacks[label])  # its checks would take the CPU from the next stack's round
         base_mean = statistics.fmean(ttfts["off"])
         figures = {}
-        print(f"\nshadow verification: {args.rounds} rounds x {args.requests} requests, concurrency "
+        print(f"\nshadow verification on {args.engine}: {args.rounds} rounds x {args.requests} requests, concurrency "
               f"{args.concurrency}, think time {args.think_s} s, system prompt ~{args.shared_tokens} tokens, "
               f"{failures} failed requests")
         print(f"{'fraction':>9} {'hits':>5} {'mean TTFT':>10} {'p50 TTFT':>9} {'mean / off':>11} "
