@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 
 from kite_shared import adapters
-from kite_shared.config import ModelConfig
-from kite_shared.model_store import LocalModel, load_causal_lm
+from kite_shared.config import ModelConfig, load
+from kite_shared.model_store import LocalModel, identity, load_causal_lm, prepare
+from kite_shared.tiers.keys import model_tag
 
 
 def make_lora_adapters(local: LocalModel, cfg: ModelConfig, folders: dict[Path, int], scale: float = 0.3,
@@ -34,3 +35,17 @@ def make_lora_adapters(local: LocalModel, cfg: ModelConfig, folders: dict[Path, 
                     param.copy_(torch.randn(param.shape, generator=generator) * scale)
         model.save_pretrained(folder)
         adapters.declare(folder, local, cfg.block_size)
+
+
+def served_adapters(folder: Path, engine: str, seeds: dict[str, int]) -> tuple[str, dict[str, str]]:
+    """Adapters made in `folder` (name -> seed) and declared for `engine`'s base: their KITE_ADAPTERS
+    setting, and each one's model tag in the tiers (the base's under "")."""
+    cfg = load(ModelConfig, engine=engine)
+    local = prepare(cfg)
+    make_lora_adapters(local, cfg, {folder / name: seed for name, seed in seeds.items()})
+    setting = ",".join(f"{name}={folder / name}" for name in seeds)
+    base = identity(local, cfg)
+    served = adapters.load_configured(load(ModelConfig, engine=engine, adapters=setting), local, base)
+    tags = {name: model_tag(a.identity.fingerprint_hex) for name, a in served.items()}
+    tags[""] = model_tag(base.fingerprint_hex)
+    return setting, tags

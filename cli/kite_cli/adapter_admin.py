@@ -10,7 +10,9 @@
                                   the adapter; each checks the declaration itself and answers. FOLDER is the
                                   path as those processes see it. Prints one JSON answer per process; exit 0
                                   when at least one fingerprinter and one worker answered and none refused,
-                                  1 when one refused, 2 when none answered.
+                                  1 when one refused, 2 when none answered. A load that succeeded is kept in
+                                  the JetStream bucket kite_adapters, which processes that start later load
+                                  (kite_shared/adapter_store.py); an unload removes it from there.
 
 Run declare and check with the configuration the workers have: a declaration written for another base is
 refused. The NATS server of load and unload is found as for `kite pool` (--nats-url, KITE_NATS_URL, the
@@ -27,32 +29,50 @@ from pathlib import Path
 
 from kite_cli.stack import admin_nats_url
 from kite_shared import adapters, model_store, subjects
+from kite_shared.adapter_store import AdapterStore
 from kite_shared.config import CommonConfig, ModelConfig, load
 from kite_shared.messages import AdapterAdminReply, AdapterAdminRequest, MessageError
 from kite_shared.service import connect_nats
 
 
 async def ask_everyone(nats_url: str, request: AdapterAdminRequest, wait_s: float) -> list[AdapterAdminReply]:
-    """Publish `request` with a reply inbox and gather every answer that comes within `wait_s`."""
+    """Publish `request` with a reply inbox and gather every answer that comes within `wait_s`; then keep
+    the fleet's adapter set for processes that start later (a load only when everyone loaded it)."""
     nc = await connect_nats(nats_url, "kite-adapter-admin", load(CommonConfig), allow_reconnect=False)
     replies: list[AdapterAdminReply] = []
     try:
-        inbox = nc.new_inbox()
-        subscription = await nc.subscribe(inbox)
-        await nc.publish(subjects.ADAPTER_ADMIN, request.encode(), reply=inbox)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
-        while (left := deadline - loop.time()) > 0:
-            try:
-                msg = await subscription.next_msg(timeout=left)
-            except asyncio.TimeoutError:
-                break
-            try:
-                replies.append(AdapterAdminReply.decode(msg.data))
-            except MessageError as exc:
-                print(f"kite adapter: an answer could not be read: {exc}", file=sys.stderr)
+        replies = await _gather(nc, request, wait_s)
+        if request.op == "unload":
+            await AdapterStore(nc).remove(request.name)
+        elif succeeded(replies):
+            await AdapterStore(nc).save(request.name, request.path)
     finally:
         await nc.close()
+    return replies
+
+
+def succeeded(replies: list[AdapterAdminReply]) -> bool:
+    """Every process that answered agreed, and at least one fingerprinter and one worker did."""
+    return all(r.ok for r in replies) and {r.service for r in replies} >= {"fingerprinter", "worker"}
+
+
+async def _gather(nc, request: AdapterAdminRequest, wait_s: float) -> list[AdapterAdminReply]:
+    replies: list[AdapterAdminReply] = []
+    inbox = nc.new_inbox()
+    subscription = await nc.subscribe(inbox)
+    await nc.publish(subjects.ADAPTER_ADMIN, request.encode(), reply=inbox)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while (left := deadline - loop.time()) > 0:
+        try:
+            msg = await subscription.next_msg(timeout=left)
+        except asyncio.TimeoutError:
+            break
+        try:
+            replies.append(AdapterAdminReply.decode(msg.data))
+        except MessageError as exc:
+            print(f"kite adapter: an answer could not be read: {exc}", file=sys.stderr)
+    await subscription.unsubscribe()
     return replies
 
 
@@ -81,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         if not replies:
             print("kite adapter: no fingerprinter or worker answered", file=sys.stderr)
             return 2
-        services = {r.service for r in replies if r.ok}
-        return 0 if all(r.ok for r in replies) and services >= {"fingerprinter", "worker"} else 1
+        return 0 if succeeded(replies) else 1
     cfg = load(ModelConfig)
     local = model_store.prepare(cfg)
     if args.command == "declare":

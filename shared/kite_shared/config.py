@@ -193,7 +193,7 @@ SETTINGS: tuple[Setting, ...] = (
             minimum=0.0),
     Setting("KITE_SHADOW_CHUNK_TOKENS", int, "32", WORKER,
             "Prompt tokens a shadow recomputation computes per idle step: a request arriving meanwhile "
-            "waits at most one such chunk.", minimum=1),
+            "waits at most one such chunk (vLLM: whole blocks, at least one).", minimum=1),
     Setting("KITE_SHADOW_IDLE_S", float, "0.2", WORKER,
             "Seconds a worker must have had no request before it spends time on shadow checks: a client "
             "sending its next request right after an answer then never lands in a shadow chunk.",

@@ -16,14 +16,12 @@ import pytest
 import redis
 
 from kite_shared import adapters
-from kite_shared.config import ModelConfig, load
-from kite_shared.model_store import identity, prepare
-from kite_shared.tiers.keys import REDIS_KEY_PREFIX, model_tag
+from kite_shared.tiers.keys import REDIS_KEY_PREFIX
 from tests.integration import http_chat
 from tests.integration.conftest import MODEL
 from tests.integration.http_chat import answer, cached
 from tests.integration.test_pool_reuse import replace_worker
-from tests.lora_adapters import make_lora_adapters
+from tests.lora_adapters import served_adapters
 
 SYSTEM = {"role": "system", "content": "You are the adapter test assistant. " +
           " ".join(f"Note {i}: every adapter keeps its own cache of item {i}." for i in range(30))}
@@ -32,16 +30,7 @@ MODELS = (MODEL, "alpha", f"{MODEL}:beta")  # an adapter by its own name and one
 
 @pytest.fixture(scope="module")
 def adapter_folders(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("adapters")
-    cfg = load(ModelConfig, engine="transformers", block_size=16)
-    local = prepare(cfg)
-    make_lora_adapters(local, cfg, {folder / "alpha": 1, folder / "beta": 2})
-    setting = f"alpha={folder / 'alpha'},beta={folder / 'beta'}"
-    with_adapters = load(ModelConfig, engine="transformers", block_size=16, adapters=setting)
-    served = adapters.load_configured(with_adapters, local, identity(local, with_adapters))
-    tags = {name: model_tag(a.identity.fingerprint_hex) for name, a in served.items()}
-    tags[""] = model_tag(identity(local, with_adapters).fingerprint_hex)
-    return setting, tags
+    return served_adapters(tmp_path_factory.mktemp("adapters"), "transformers", {"alpha": 1, "beta": 2})
 
 
 def chat(stack, model: str, question: str, reuse: bool = True) -> dict:
@@ -122,6 +111,18 @@ def test_an_adapter_refused_at_start_leaves_the_base_serving(fresh_stack_factory
     assert answer(chat(stack, "alpha", "Still there?"))
 
 
+def wait_until_refused(stack, model: str, timeout_s: float = 15.0) -> None:
+    """An unloaded adapter: the gateway answers 404 model_not_found once the heartbeats say so."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = httpx.post(stack.http_url + "/v1/chat/completions", timeout=60, json={
+            "model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+        if r.status_code == 404 or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
 def adapter_cli(stack, *args: str) -> tuple[int, list[dict], str]:
     done = subprocess.run([sys.executable, "-m", "kite_cli.main", "adapter", *args, "--nats-url", stack.nats.url],
                           capture_output=True, text=True, timeout=60)
@@ -141,6 +142,10 @@ def test_adapters_load_and_unload_at_run_time(fresh_stack_factory, adapter_folde
     chat(stack, "alpha", question)
     on = chat(stack, "alpha", question)
     assert cached(on) > 0 and answer(on) == answer(chat(stack, "alpha", question, reuse=False))
+    # A worker that starts later serves it too: the load was kept (JetStream bucket kite_adapters).
+    replace_worker(stack)
+    wait_for_models(stack, {"alpha"})
+    assert answer(chat(stack, "alpha", question)) == answer(on)
 
     bad = tmp_path / "bad"
     shutil.copytree(folder, bad)
@@ -155,15 +160,11 @@ def test_adapters_load_and_unload_at_run_time(fresh_stack_factory, adapter_folde
 
     code, replies, _ = adapter_cli(stack, "unload", "alpha")
     assert code == 0 and all(r["adapters"] == [] for r in replies)
-    deadline = time.monotonic() + 15
-    while True:
-        r = httpx.post(stack.http_url + "/v1/chat/completions", timeout=60, json={
-            "model": "alpha", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
-        if r.status_code == 404 or time.monotonic() > deadline:
-            break
-        time.sleep(0.3)
-    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    wait_until_refused(stack, "alpha")
     assert answer(chat(stack, MODEL, question))  # the base serves on
+    replace_worker(stack)  # nor does a worker that starts after the unload serve it
+    time.sleep(1.5)  # its first heartbeats
+    wait_until_refused(stack, "alpha")
     # Loaded again: the same content, the same namespace, and the pool still holds its blocks.
     code, _, _ = adapter_cli(stack, "load", "alpha", folder)
     assert code == 0

@@ -40,6 +40,28 @@ def quarantines(stack) -> list:
     return [d for d in admin(stack.nats.url, "status").current if d.action == "quarantine"]
 
 
+def the_quarantine(stack, namespace_fingerprint: str, hits: int, wrong: int, first_hit_at: float, label: str):
+    """The one quarantine decision in force, once the arbitrator has made it: of this namespace, after
+    planted hits that did change answers (the fault is real). Prints how fast it came."""
+    deadline = time.monotonic() + 30
+    while not quarantines(stack) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    [decision] = quarantines(stack)
+    assert decision.target == namespace_fingerprint and decision.namespace == MODEL and hits >= 1
+    print(f"\n{label}: {hits} planted hits served ({wrong} wrong answers) before quarantine, detected "
+          f"{decision.issued_at - first_hit_at:.2f} s after the first hit")
+    assert wrong >= 1
+    return decision
+
+
+def assert_no_reuse(stack, chat, references: dict[str, str], questions: list[str]) -> None:
+    """Quarantined: every answer equals reuse off, and nothing is reused."""
+    time.sleep(0.5)  # the decision reaches the worker and the pool
+    for question in questions:
+        response = chat(stack, question)
+        assert answer(response) == references[question] and cached(response) == 0, question
+
+
 async def plant(nats_url: str, units: list[bytes]) -> None:
     nc = await connect_nats(nats_url, "planter", load(CommonConfig), allow_reconnect=False)
     try:
@@ -83,20 +105,8 @@ def test_planted_divergent_blocks_are_caught_and_the_namespace_quarantined(fresh
             hits += 1
             first_hit_at = first_hit_at or sent
             wrong += answer(response) != references[question]
-    deadline = time.monotonic() + 30
-    while not quarantines(stack) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    [decision] = quarantines(stack)
-    assert decision.target == base.fingerprint_hex and decision.namespace == MODEL and hits >= 1
-    print(f"\nshadow fraction {SHADOW_FRACTION}: {hits} planted hits served ({wrong} wrong answers) before "
-          f"quarantine, detected {decision.issued_at - first_hit_at:.2f} s after the first hit")
-    assert wrong >= 1  # the planted blocks did change answers: the fault is real
-
-    # Quarantined: every answer equals reuse off, nothing is reused or served from the pool.
-    time.sleep(0.5)  # the decision reaches the worker and the pool
-    for question in QUESTIONS[:6]:
-        response = chat(stack, question)
-        assert answer(response) == references[question] and cached(response) == 0
+    the_quarantine(stack, base.fingerprint_hex, hits, wrong, first_hit_at, f"shadow fraction {SHADOW_FRACTION}")
+    assert_no_reuse(stack, chat, references, QUESTIONS[:6])
     audit = pool_stats(stack)["namespaces"][base.fingerprint_hex[:16]]
     assert audit["quarantined"] and audit["divergences"] >= 1 and audit["name"] == MODEL
     assert audit["blocks"] == 0  # purged

@@ -12,39 +12,24 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
 from kite_cli.stack import StackOptions
-from kite_shared import adapters
-from kite_shared.config import ModelConfig, load
-from kite_shared.model_store import identity, prepare
-from kite_shared.tiers.keys import model_tag
 from tests.integration import http_chat
 from tests.integration.conftest import MODEL, _start
 from tests.integration.http_chat import answer, cached
-from tests.integration.test_adapters_stack import adapter_cli, wait_for_models, warm_tags
+from tests.integration.test_adapters_stack import MODELS, SYSTEM, adapter_cli, wait_for_models, wait_until_refused, \
+    warm_tags
 from tests.integration.test_vllm_worker import BLOCK, VLLM_ENV, replace_worker
-from tests.lora_adapters import make_lora_adapters
-
-SYSTEM = {"role": "system", "content": "You are the vLLM adapter test assistant. " +
-          " ".join(f"Note {i}: every adapter keeps its own cache of item {i}." for i in range(30))}
-MODELS = (MODEL, "alpha", f"{MODEL}:beta")  # an adapter by its own name and one under its base
-
+from tests.lora_adapters import served_adapters
 
 @pytest.fixture(scope="module")
 def vllm_adapter_folders(tmp_path_factory):
     """alpha and beta configured at start, gamma for a run-time load; declared for vLLM's 32-token blocks."""
     folder = tmp_path_factory.mktemp("vllm-adapters")
-    cfg = load(ModelConfig, engine="vllm", block_size=BLOCK)
-    local = prepare(cfg)
-    make_lora_adapters(local, cfg, {folder / "alpha": 1, folder / "beta": 2, folder / "gamma": 3})
-    setting = f"alpha={folder / 'alpha'},beta={folder / 'beta'}"
-    served = adapters.load_configured(load(ModelConfig, engine="vllm", block_size=BLOCK, adapters=setting),
-                                      local, identity(local, cfg))
-    tags = {name: model_tag(a.identity.fingerprint_hex) for name, a in served.items()}
-    tags[""] = model_tag(identity(local, cfg).fingerprint_hex)
-    return setting, tags, folder / "gamma"
+    setting, tags = served_adapters(folder, "vllm", {"alpha": 1, "beta": 2})
+    gamma, _ = served_adapters(folder, "vllm", {"gamma": 3})
+    return setting, tags, gamma.split("=", 1)[1]
 
 
 def chat(stack, model: str, question: str, reuse: bool = True) -> dict:
@@ -108,14 +93,7 @@ def test_adapters_on_vllm_reuse_their_own_blocks_and_load_at_run_time(vllm_adapt
         assert cached(on) >= system_blocks * BLOCK and answer(on) == answer(off)
         code, replies, _ = adapter_cli(stack, "unload", "alpha")
         assert code == 0 and all("alpha" not in r["adapters"] for r in replies)
-        deadline = time.monotonic() + 15
-        while True:
-            r = httpx.post(stack.http_url + "/v1/chat/completions", timeout=60, json={
-                "model": "alpha", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
-            if r.status_code == 404 or time.monotonic() > deadline:
-                break
-            time.sleep(0.3)
-        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        wait_until_refused(stack, "alpha")
         for model in (MODEL, f"{MODEL}:beta"):
             assert answer(chat(stack, model, question)) == answer(chat(stack, model, question, reuse=False))
     finally:

@@ -22,9 +22,10 @@ from kite_shared.model_store import identity, prepare
 from kite_shared.security import ru_key
 from kite_shared.tiers.keys import REDIS_KEY_PREFIX, model_tag
 from tests.integration import http_chat
-from tests.integration.conftest import MODEL, _start
+from tests.integration.conftest import _start
 from tests.integration.http_chat import answer, cached
 from tests.integration.test_pool_reuse import pool_stats
+from tests.integration.test_shadow_quarantine import assert_no_reuse, quarantines, the_quarantine
 from tests.integration.test_vllm_worker import BLOCK, VLLM_ENV, replace_worker, restart_pool, wait_for_pool
 
 SYSTEM = {"role": "system", "content": "You are the vLLM verification test assistant. " +
@@ -37,10 +38,6 @@ THINK_S = 2.0
 
 def chat(stack, question: str, reuse: bool = True) -> dict:
     return http_chat.chat(stack, SYSTEM, question, reuse=reuse)
-
-
-def quarantines(stack) -> list:
-    return [d for d in admin(stack.nats.url, "status").current if d.action == "quarantine"]
 
 
 def negate_warm_blocks(redis_url: str, model_fingerprint: str) -> int:
@@ -88,20 +85,8 @@ def test_divergent_blocks_loaded_by_vllm_are_caught_and_the_namespace_quarantine
                 first_hit_at = first_hit_at or sent
                 wrong += answer(response) != references[question]
             time.sleep(THINK_S)  # a user reading the answer: idle time, in which the worker checks
-        deadline = time.monotonic() + 30
-        while not quarantines(stack) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        [decision] = quarantines(stack)
-        assert decision.target == base.fingerprint_hex and decision.namespace == MODEL and hits >= 1
-        print(f"\nvLLM, shadow fraction 1.0: {hits} planted hits served ({wrong} wrong answers) before "
-              f"quarantine, detected {decision.issued_at - first_hit_at:.2f} s after the first hit")
-        assert wrong >= 1  # the rewritten blocks did change answers: the fault is real
-
-        # Quarantined: every answer equals reuse off, nothing is reused (vLLM's prefix cache included).
-        time.sleep(0.5)  # the decision reaches the worker and the pool
-        for question in QUESTIONS[:4]:
-            response = chat(stack, question)
-            assert answer(response) == references[question] and cached(response) == 0, question
+        the_quarantine(stack, base.fingerprint_hex, hits, wrong, first_hit_at, "vLLM, shadow fraction 1.0")
+        assert_no_reuse(stack, chat, references, QUESTIONS[:4])  # vLLM's prefix cache included
         audit = pool_stats(stack)["namespaces"][base.fingerprint_hex[:16]]
         assert audit["quarantined"] and audit["divergences"] >= 1 and audit["blocks"] == 0
 

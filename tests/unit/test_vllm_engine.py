@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from kite_shared.fingerprint import BlockHash
@@ -305,22 +306,21 @@ SERVED_LOGPROBS = {5: -0.1, 6: -2.5, 7: -4.0}
 
 
 class ShadowLLM(ScriptedLLM):
-    """Serves with `cached` tokens reused and SERVED_LOGPROBS for the first token; a shadow recomputation
-    ("shadow-" request ids) answers `recomputed` after `recompute_s`."""
+    """Serves with `cached` tokens reused and SERVED_LOGPROBS for the first token; a shadow recomputation's
+    pieces ("shadow-" request ids) take `recompute_s` each, and the last one answers `recomputed`.
+    `timeline` records (request id, start, end)."""
 
     def __init__(self, recomputed: dict[int, float], recompute_s: float = 0.0):
         super().__init__([([5], "x", "length")], cached=8)
         self.recomputed, self.recompute_s = recomputed, recompute_s
-        self.aborted: list[str] = []
+        self.timeline: list[tuple[str, float, float]] = []
 
     async def generate(self, prompt, params, request_id, lora_request=None):
         self.calls.append((prompt, params, request_id, lora_request))
         shadow = request_id.startswith("shadow-")
-        try:
-            await asyncio.sleep(self.recompute_s if shadow else 0)
-        except asyncio.CancelledError:
-            self.aborted.append(request_id)
-            raise
+        started = time.monotonic()
+        await asyncio.sleep(self.recompute_s if shadow else 0.05)
+        self.timeline.append((request_id, started, time.monotonic()))
         logprobs = self.recomputed if shadow else SERVED_LOGPROBS
         first = {t: SimpleNamespace(logprob=v) for t, v in logprobs.items()} if params.logprobs else None
         yield SimpleNamespace(num_cached_tokens=0 if shadow else self.cached, finished=True, outputs=[
@@ -328,14 +328,19 @@ class ShadowLLM(ScriptedLLM):
                             logprobs=[first] if first else None)])
 
 
-def shadow_scheduler(llm):
+def shadow_scheduler(llm, chunk_tokens: int = 32):
     outcomes = []
     scheduler, events = make_scheduler(llm)
     scheduler.shadow = ShadowVerifier.for_storage_dtype(1.0, "float16")
     scheduler._on_shadow = outcomes.append
     scheduler.shadow_idle_s = 0.05
+    scheduler.shadow_chunk_tokens = chunk_tokens
     scheduler.start()
     return scheduler, outcomes
+
+
+def shadow_calls(llm) -> list[tuple]:
+    return [c for c in llm.calls if c[2].startswith("shadow-")]
 
 
 async def wait_until(predicate, timeout_s: float = 5.0) -> None:
@@ -345,18 +350,22 @@ async def wait_until(predicate, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-async def test_a_sampled_hit_is_recomputed_from_scratch_when_idle_and_judged_on_its_top_logprobs():
+async def test_a_sampled_hit_is_recomputed_from_scratch_in_pieces_and_judged_on_its_top_logprobs():
     llm = ShadowLLM(recomputed={5: -0.1, 6: -2.5, 7: -4.0})
-    scheduler, outcomes = shadow_scheduler(llm)
+    scheduler, outcomes = shadow_scheduler(llm, chunk_tokens=6)  # whole 4-token blocks: pieces of 4
     await serve(scheduler, request("a"))
     served = llm.calls[0][1]
     assert served.logprobs == 20 and not served.skip_reading_prefix_cache
     await wait_until(lambda: outcomes)
-    _, params, request_id, lora = llm.calls[1]
-    assert request_id.startswith("shadow-a") and lora is None
-    # From scratch: neither vLLM's prefix cache nor the connector (no KITE parameters).
-    assert params.skip_reading_prefix_cache and params.extra_args is None
-    assert (params.max_tokens, params.temperature, params.logprobs) == (1, 0.0, 20)
+    pieces = shadow_calls(llm)
+    # The prompt (9 tokens) up to each piece's end, under one salt of the check's own: vLLM's prefix
+    # cache holds only what this check computed; no KITE parameters, so neither the pool nor the connector.
+    assert [p["prompt_token_ids"] for p, *_ in pieces] == [list(range(10, 14)), list(range(10, 18)),
+                                                          list(range(10, 19))]
+    salts = {p["cache_salt"] for p, *_ in pieces}
+    assert len(salts) == 1 and salts.pop().startswith("kite-shadow-")
+    assert all(params.extra_args is None and params.max_tokens == 1 for _, params, *_ in pieces)
+    assert [params.logprobs for _, params, *_ in pieces] == [None, None, 20]
     outcome = outcomes[0]
     assert not outcome.diverged and outcome.divergence == pytest.approx(0.0, abs=1e-12)
     assert outcome.check.num_reused_tokens == 8
@@ -372,17 +381,18 @@ async def test_a_diverging_hit_is_reported():
     scheduler.stop()
 
 
-async def test_a_request_arriving_during_a_recomputation_aborts_it_and_the_check_runs_later():
-    llm = ShadowLLM(recomputed=dict(SERVED_LOGPROBS), recompute_s=0.3)
-    scheduler, outcomes = shadow_scheduler(llm)
+async def test_no_piece_of_a_recomputation_starts_while_a_request_runs():
+    llm = ShadowLLM(recomputed=dict(SERVED_LOGPROBS), recompute_s=0.1)
+    scheduler, outcomes = shadow_scheduler(llm, chunk_tokens=4)
     await serve(scheduler, request("a"))
-    await wait_until(lambda: any(c[2].startswith("shadow-") for c in llm.calls))
-    llm.recompute_s = 0.0
-    await serve(scheduler, request("b", reuse=False))  # a user's request: the check steps aside
-    assert llm.aborted and llm.aborted[0].startswith("shadow-a")
+    await wait_until(lambda: shadow_calls(llm))
+    await serve(scheduler, request("b", reuse=False))  # a user's request arrives mid-check
     await wait_until(lambda: outcomes)
-    assert not outcomes[0].diverged and outcomes[0].check.request.request_id == "a"
-    assert scheduler.num_shadow_checks_waiting == 0
+    [(_, b_start, b_end)] = [t for t in llm.timeline if t[0] == "b"]
+    shadow_starts = [start for rid, start, _ in llm.timeline if rid.startswith("shadow-")]
+    assert not any(b_start <= start <= b_end for start in shadow_starts)
+    assert any(start < b_start for start in shadow_starts) and any(start > b_end for start in shadow_starts)
+    assert not outcomes[0].diverged and scheduler.num_shadow_checks_waiting == 0
     scheduler.stop()
 
 
@@ -396,5 +406,5 @@ async def test_requests_without_a_hit_or_not_drawn_are_not_checked():
     await serve(scheduler, request("b"))  # a hit, not drawn
     assert llm.calls[1][1].logprobs is None
     await asyncio.sleep(0.2)
-    assert outcomes == [] and not any(c[2].startswith("shadow-") for c in llm.calls)
+    assert outcomes == [] and not shadow_calls(llm)
     scheduler.stop()

@@ -14,6 +14,7 @@ from prometheus_client import Histogram
 from typing import Callable
 
 from kite_shared import adapters, subjects
+from kite_shared.adapter_store import load_stored_adapters
 from kite_shared.adapters import Adapter
 from kite_shared.config import FingerprinterConfig
 from kite_shared.endpoints import Endpoint, Refusal
@@ -66,6 +67,8 @@ class FingerprinterService:
         await self.pool.model_fingerprint_changed(self.core.model_name, self.core.identity.fingerprint_hex)
         for name, adapter in self.core.adapters.items():  # an adapter whose content changed: likewise
             await self._announce(name, adapter)
+        if self.load_adapter is not None:  # and those `kite adapter load` added while this one was away
+            await load_stored_adapters(self.rt.nc, self.core.adapters, self.adapter_admin)
 
     async def _announce(self, name: str, adapter: Adapter | None) -> None:
         if adapter is not None:

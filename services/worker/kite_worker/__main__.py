@@ -13,6 +13,7 @@ import torch
 from prometheus_client import start_http_server
 
 from kite_shared import adapters, model_store, subjects
+from kite_shared.adapter_store import load_stored_adapters
 from kite_shared.config import CommonConfig, ModelConfig, WorkerConfig, default_instance_id, load
 from kite_shared.endpoints import Endpoint
 from kite_shared.messages import AdapterAdminRequest, Admission, Cancel, Decision, ErrorInfo, TokenizedRequest
@@ -78,6 +79,8 @@ async def start_worker(rt: ServiceRuntime, loaded: LoadedModel, cfg: WorkerConfi
     rt.every(0, worker.outbox.publish_next_cache_events, "publishing cache events to the ru-pool")
     rt.set_heartbeat_fields(worker.heartbeat_fields)
     rt.on_drain(worker.drain)
+    # Adapters loaded at run time before this worker started (KITE_ADAPTERS wins).
+    await load_stored_adapters(rt.nc, loaded.adapters, worker.adapter_admin)
     await worker.control.start()  # takes requests, unless standing by (KITE_WORKER_STANDBY)
     return worker
 

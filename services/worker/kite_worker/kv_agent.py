@@ -3,8 +3,9 @@
 Boundary: lives in vLLM's engine-core process, beside the scheduler-side connector, on a thread of its
 own with its own asyncio loop and NATS connection (as LMCache's connector owns its I/O). The connector
 calls it from the scheduler thread through two methods only:
-- `fetch(hashes, tenant, model_fingerprint)`: blocks until the leading blocks the pool has (and the cost model says are
-  cheaper to load than to compute) are verified and written to staging files; returns how many;
+- `fetch(hashes, tenant, model_fingerprint)`: starts staging the leading blocks the pool has (and the
+  cost model says are cheaper to load than to compute), verified, as files; returns a `PendingFetch` at
+  once, which the scheduler polls step by step (vLLM schedules the request once it answers);
 - `publish(infos)`: blocks the model runner is saving to staging files this step; the agent waits for
   each file to appear, then hands the block to the pool (encoded as a recyclable unit with its HMAC).
   Never waits on the caller's thread.
@@ -162,23 +163,16 @@ class KVAgent:
 
     # --- loads (scheduler thread) --------------------------------------------------------------------------
 
-    def fetch(self, hashes: list[BlockHash], tenant: str, model_fingerprint: str) -> int:
-        """Leading blocks of `hashes` (of the model `model_fingerprint`, hex: the base or an adapter) now
-        staged (and pinned; `unpin` them when the request ends)."""
-        if not hashes:
-            return 0
+    def fetch(self, hashes: list[BlockHash], tenant: str, model_fingerprint: str) -> "PendingFetch":
+        """Stage the leading blocks of `hashes` (of the model `model_fingerprint`, hex: the base or an
+        adapter) that the pool has; returns at once. The blocks staged when `PendingFetch.result()` answers
+        are pinned: `unpin` them when the request ends."""
         num_staged = self._pin_staged_prefix(hashes)
         if num_staged == len(hashes) or not self._ready.is_set() or not self.options.pool_read:
-            return num_staged
+            return PendingFetch(num_staged, None, self.options.fetch_timeout_s)
         future: Future = asyncio.run_coroutine_threadsafe(self._fetch(hashes[num_staged:], tenant, model_fingerprint),
                                                        self._loop)
-        try:
-            fetched = future.result(timeout=self.options.fetch_timeout_s)
-        except Exception as exc:  # a timeout or a tier error: those blocks are computed
-            future.cancel()
-            log.warning("pool fetch failed (%r); computing the blocks", exc)
-            return num_staged
-        return num_staged + fetched
+        return PendingFetch(num_staged, future, self.options.fetch_timeout_s)
 
     def _pin_staged_prefix(self, hashes: list[BlockHash]) -> int:
         with self._staged_lock:
@@ -311,6 +305,42 @@ class KVAgent:
             else:  # vLLM dropped its whole cache: every namespace this worker announced blocks of
                 for model in sorted(self._announced_models | {self.options.model_fingerprint}):
                     await self.pool.block_removed(model, [], all_blocks=True)
+
+
+class PendingFetch:
+    """A fetch into staging under way. The scheduler thread polls it (`result()`: None while it runs) and
+    never waits for it; one that outlives `timeout_s` is cancelled and counts what was staged before it."""
+
+    def __init__(self, num_staged: int, future: Future | None, timeout_s: float) -> None:
+        self._num_staged = num_staged  # leading blocks staged (and pinned) before the fetch started
+        self._future = future
+        self._deadline = time.monotonic() + timeout_s
+
+    def result(self) -> int | None:
+        """Leading blocks now staged and pinned, or None while the fetch runs."""
+        future = self._future
+        if future is None:
+            return self._num_staged
+        if not future.done():
+            if time.monotonic() < self._deadline:
+                return None
+            future.cancel()  # too slow: those blocks are computed
+            log.warning("pool fetch took longer than its deadline; computing the blocks")
+        self._future = None
+        if not future.cancelled():
+            if future.exception() is not None:  # a tier error: those blocks are computed
+                log.warning("pool fetch failed (%r); computing the blocks", future.exception())
+            else:
+                self._num_staged += future.result()
+        return self._num_staged
+
+    def on_done(self, callback) -> None:
+        """Call `callback(num_staged)` once the fetch has ended (at once if it has)."""
+        future = self._future
+        if future is None:
+            callback(self._num_staged)
+        else:
+            future.add_done_callback(lambda _: callback(self.result()))
 
 
 def _masked(url: str) -> str:

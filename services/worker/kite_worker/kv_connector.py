@@ -4,10 +4,12 @@ vLLM loads it from `kv_transfer_config` (`kv_connector_module_path="kite_worker.
 two instances:
 - role SCHEDULER, in the engine-core process: for each new request, after vLLM's own prefix-cache hit,
   asks the ru-pool (through `KVAgent`) for the following blocks and reports how many tokens they cover
-  (`get_num_new_matched_tokens`). That call blocks vLLM's scheduler loop, so it is made only for blocks
-  the pool is known to hold: the worker's front end looked them up before submitting the request
-  (`RequestParams.pool_blocks`), and a prompt whose blocks past vLLM's hit the pool lacks (the common
-  shared-prefix case) costs the scheduler nothing. Each step, it tells the model runner which paged
+  (`get_num_new_matched_tokens`). The fetch runs on the agent's thread: until it has staged the blocks
+  the connector answers None, which makes vLLM skip the request for a step and ask again, so running
+  requests keep decoding while a prefix loads and vLLM's loop never waits for the pool. Blocks are asked
+  for only when the pool is known to hold them: the worker's front end looked them up before submitting
+  the request (`RequestParams.pool_blocks`), and a prompt whose blocks past vLLM's hit the pool lacks (the
+  common shared-prefix case) is scheduled at once. Each step, it tells the model runner which paged
   blocks to fill from staging and which newly computed blocks to save (`build_connector_meta`, decided
   by `KVPlanner`), and hands those saves to the agent, which publishes each once the model runner's file
   appears (saves never wait for a later engine step, which an idle engine would not take).
@@ -22,7 +24,9 @@ translates them into KITE block hashes (`LocalBlockMirror`) and the agent announ
 index, which cache-aware routing reads. An evicted prefix stops attracting requests to this worker.
 
 Requests carry KITE's decisions in `kv_transfer_params["kite"]` (kv_plan.RequestParams), set by the
-worker's front end (vllm_engine.py); a request without them is served by vLLM alone.
+worker's front end (vllm_engine.py); a request without them is served by vLLM alone. A LoRA adapter's
+request names the adapter's model fingerprint there: its blocks are hashed, fetched, saved and announced
+under the adapter's root, never the base's (vLLM's own hashes of them include the adapter too).
 
 Failures never fail a request or change an answer: a block the pool cannot supply in time is computed;
 a staged file that cannot be read is reported through `get_block_ids_with_load_errors`, and with
@@ -52,8 +56,8 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from kite_shared.config import CommonConfig, load
 from kite_shared.fingerprint import BlockHash
 from kite_shared.service import setup_package_logging
-from kite_worker.kv_agent import (AgentOptions, ConnectorOptions, KVAgent, kv_events_endpoint, save_path,
-                                  staged_load_path, write_atomically)
+from kite_worker.kv_agent import (AgentOptions, ConnectorOptions, KVAgent, PendingFetch, kv_events_endpoint,
+                                  save_path, staged_load_path, write_atomically)
 from kite_worker.kv_plan import PARAMS_KEY, KVPlanner, LocalBlockMirror, RequestParams
 from kite_worker.paged_layout import PagedLayer
 
@@ -163,27 +167,38 @@ class _SchedulerSide:
         self._events = _KVEventListener(kv_events_endpoint(options.worker_id), self._on_kv_events)
         self._requests: dict[str, "Request"] = {}  # tracked requests (their token ids grow as they decode)
         self._pinned: dict[str, list[BlockHash]] = {}  # request id -> staged blocks it holds
+        # request id -> (its fetch under way, the hashes wanted, the first block they start at)
+        self._fetches: dict[str, tuple[PendingFetch, list[BlockHash], int]] = {}
         self._step_started: float | None = None
         self._step_prefill_tokens = 0
 
-    def num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
+    def num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int | None:
+        """Tokens the pool supplies after vLLM's own hit; None while their fetch runs (vLLM then skips the
+        request this step and asks again at the next: the pool is never waited for in its loop)."""
         params = RequestParams.decode((request.kv_transfer_params or {}).get(PARAMS_KEY))
         if params is None:
             return 0
-        plan_known = request.request_id in self.planner.requests
-        self.planner.track(request.request_id, params, request.prompt_token_ids or [])
-        self._requests[request.request_id] = request
+        request_id = request.request_id
+        plan_known = request_id in self.planner.requests
+        plan = self.planner.track(request_id, params, request.prompt_token_ids or [])
+        self._requests[request_id] = request
         if not plan_known:  # fetch once per request; a request vLLM asks about again reuses the answer
-            plan = self.planner.requests[request.request_id]
             self._learn(request, 0, plan.hashes)
-            wanted = self.planner.wanted(request.request_id, num_computed_tokens)
-            first = num_computed_tokens // self.block_size
-            num_staged = self.agent.fetch(wanted, params.tenant, bytes(plan.root).hex()) if wanted else 0
-            self._pinned[request.request_id] = wanted[:num_staged]
-            self.planner.set_loadable(request.request_id, first, num_staged)
+            wanted = self.planner.wanted(request_id, num_computed_tokens)
+            if wanted:
+                fetch = self.agent.fetch(wanted, params.tenant, bytes(plan.root).hex())
+                self._fetches[request_id] = (fetch, wanted, num_computed_tokens // self.block_size)
+        if request_id in self._fetches:
+            fetch, wanted, first = self._fetches[request_id]
+            num_staged = fetch.result()
+            if num_staged is None:
+                return None
+            del self._fetches[request_id]
+            self._pinned[request_id] = wanted[:num_staged]
+            self.planner.set_loadable(request_id, first, num_staged)
             log.debug("request %s: vLLM has %d tokens, the pool supplies %d of %d wanted blocks",
-                      request.request_id, num_computed_tokens, num_staged, len(wanted))
-        return self.planner.num_matched_tokens(request.request_id, num_computed_tokens)
+                      request_id, first * self.block_size, num_staged, len(wanted))
+        return self.planner.num_matched_tokens(request_id, num_computed_tokens)
 
     def build_meta(self, scheduler_output: "SchedulerOutput") -> KiteConnectorMetadata:
         now = time.perf_counter()
@@ -262,6 +277,10 @@ class _SchedulerSide:
     def finished(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
         self.agent.unpin(self._pinned.pop(request_id, []))
+        pending = self._fetches.pop(request_id, None)
+        if pending is not None:  # aborted while its blocks were fetched: unpinned when they are staged
+            fetch, wanted, _ = pending
+            fetch.on_done(lambda num_staged: self.agent.unpin(wanted[:num_staged]))
         self.planner.finished(request_id)
 
 

@@ -106,7 +106,7 @@ class WorkerService:
             self.scheduler = VllmScheduler(loaded.engine, cfg.max_queued, emit=self._emit_from_engine,
                                            save_limit=self._vllm_save_limit, pool_blocks=self._pool_blocks,
                                            shadow=shadow, on_shadow=self._shadow_checked,
-                                           shadow_idle_s=cfg.shadow_idle_s)
+                                           shadow_idle_s=cfg.shadow_idle_s, shadow_chunk_tokens=cfg.shadow_chunk_tokens)
         else:
             self.scheduler = Scheduler(loaded.engine, cfg.max_running, cfg.max_queued,
                                        emit=self._emit_from_engine, on_new_blocks=self.outbox.add_blocks,

@@ -54,7 +54,6 @@ class ShadowCheck:
     num_reused_tokens: int
     reused_logits: torch.Tensor | None = None  # reference engine: first-token logits, float32 [vocab]
     reused_top_logprobs: dict[int, float] | None = None  # vLLM: token id -> log-probability, its top K
-    num_interrupted: int = 0  # vLLM: recomputations a user's request aborted
 
 
 @dataclass(frozen=True)
@@ -139,10 +138,6 @@ class ShadowVerifier:
 
     def take(self) -> ShadowCheck | None:
         return self._pending.popleft() if self._pending else None
-
-    def put_back(self, check: ShadowCheck) -> None:
-        """A taken check that could not run now: first again."""
-        self._pending.appendleft(check)
 
     def judge(self, check: ShadowCheck, recomputed_logits: torch.Tensor) -> ShadowOutcome:
         """The reference engine's check: full first-token logits on both sides."""

@@ -34,6 +34,7 @@ import logging
 import os
 import shutil
 import time
+import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,7 +58,6 @@ EmitFn = Callable[[str, Message], None]
 SaveLimitFn = Callable[[TokenizedRequest, list[BlockHash]], int]  # write policy: blocks to save (-1: all)
 PoolBlocksFn = Callable[[TokenizedRequest], Awaitable[int]]  # leading prompt blocks the ru-pool holds
 ShadowFn = Callable[[ShadowOutcome], None]
-MAX_SHADOW_INTERRUPTIONS = 3  # a check a user request interrupted this often is dropped (the worker is busy)
 
 
 @dataclass(frozen=True)
@@ -299,14 +299,15 @@ class VllmScheduler:
     def __init__(self, engine: VllmEngine, max_queued: int, emit: EmitFn,
                  save_limit: SaveLimitFn | None = None, pool_blocks: PoolBlocksFn | None = None,
                  shadow: ShadowVerifier | None = None, on_shadow: ShadowFn | None = None,
-                 shadow_idle_s: float = 0.2) -> None:
+                 shadow_idle_s: float = 0.2, shadow_chunk_tokens: int = 32) -> None:
         self.engine = engine
         self.shadow = shadow
         self._on_shadow = on_shadow
         self.shadow_idle_s = shadow_idle_s
         self._busy_at = time.monotonic()  # when a request last arrived or ended
+        self.shadow_chunk_tokens = shadow_chunk_tokens
         self._shadow_runner: asyncio.Task | None = None
-        self._shadow_recompute: asyncio.Task | None = None  # the check being recomputed now
+        self._shadow_running = False  # a check is being recomputed
         self.max_queued = max_queued
         self._emit = emit
         self._save_limit = save_limit
@@ -369,8 +370,6 @@ class VllmScheduler:
         seq.shadow_sampled = seq.reuse and self.shadow is not None and self.shadow.draw()
         self._active[seq.request_id] = seq
         self._busy_at = time.monotonic()
-        if self._shadow_recompute is not None:  # a user's request never waits behind a check
-            self._shadow_recompute.cancel()
         return seq
 
     def enqueue(self, seq: VllmSequence) -> None:
@@ -400,16 +399,15 @@ class VllmScheduler:
 
     def stop(self) -> None:
         self._stopped = True
-        for task in (self._shadow_runner, self._shadow_recompute):
-            if task is not None:
-                task.cancel()
+        if self._shadow_runner is not None:
+            self._shadow_runner.cancel()
 
     @property
     def num_shadow_checks_waiting(self) -> int:
         """Checks queued or being recomputed (0 without shadow verification)."""
         if self.shadow is None:
             return 0
-        return self.shadow.num_pending + (self._shadow_recompute is not None)
+        return self.shadow.num_pending + self._shadow_running
 
     def join(self, timeout: float | None = None) -> None:
         return
@@ -511,42 +509,44 @@ class VllmScheduler:
     # --- shadow verification (docs/verification.md) ---------------------------------------------------------
 
     async def _run_shadow_checks(self) -> None:
-        """Recompute the oldest waiting check once no request has arrived or run for `shadow_idle_s`.
-        vLLM cannot run a prompt a few tokens at a time beside other requests, so a request that arrives
-        during a recomputation aborts it (it waits for vLLM's current step at most) and the check waits
-        for the next idle moment; one interrupted MAX_SHADOW_INTERRUPTIONS times is dropped."""
+        """Recompute the oldest waiting check, a piece at a time, each piece only once no request has
+        arrived or run for `shadow_idle_s`: a request arriving meanwhile waits for one piece at most."""
         while not self._stopped:
-            idle_for = time.monotonic() - self._busy_at
-            if self._active or not self.shadow.has_pending() or idle_for < self.shadow_idle_s:
-                await asyncio.sleep(max(self.shadow_idle_s - idle_for, self.shadow_idle_s / 4))
-                continue
+            await self._until_idle()
             check = self.shadow.take()
-            self._shadow_recompute = asyncio.get_running_loop().create_task(self._recompute(check))
-            try:
-                recomputed = await self._shadow_recompute
-            except asyncio.CancelledError:
-                if self._stopped:
-                    raise
-                check.num_interrupted += 1
-                if check.num_interrupted < MAX_SHADOW_INTERRUPTIONS:
-                    self.shadow.put_back(check)
-                else:
-                    self.shadow.num_dropped += 1
+            if check is None:
+                await asyncio.sleep(self.shadow_idle_s)
                 continue
-            except (RequestRejected, KeyError) as exc:  # its adapter is gone (or was replaced) since
+            self._shadow_running = True
+            try:
+                recomputed = await self._recompute(check)
+            except RequestRejected as exc:  # its adapter is gone (or was replaced) since
                 log.info("shadow check of %s skipped: %s", check.request.request_id, exc)
                 continue
             except Exception:
                 log.exception("shadow check of %s failed", check.request.request_id)
                 continue
             finally:
-                self._shadow_recompute = None
+                self._shadow_running = False
             if self._on_shadow is not None:
                 self._on_shadow(self.shadow.judge_top_logprobs(check, recomputed))
 
+    async def _until_idle(self) -> None:
+        while True:
+            idle_for = time.monotonic() - self._busy_at
+            if not self._active and idle_for >= self.shadow_idle_s:
+                return
+            await asyncio.sleep(max(self.shadow_idle_s - idle_for, self.shadow_idle_s / 4))
+
     async def _recompute(self, check: ShadowCheck) -> dict[int, float]:
-        """The first token's top log-probabilities of the check's prompt computed from scratch: neither
-        vLLM's prefix cache nor the pool is read, and the connector is not involved (no KITE parameters)."""
+        """The first token's top log-probabilities of the check's prompt computed from scratch.
+
+        vLLM computes a prompt in one step (on this machine about a second for 600 tokens), and a request
+        arriving meanwhile would wait for all of it, so the prompt goes in pieces of `shadow_chunk_tokens`
+        (whole blocks): each piece is the prompt up to its end under a cache salt of the check's own, so
+        vLLM's prefix cache holds the earlier pieces (computed by this check, never loaded or reused from
+        anyone) and computes only the new one. The last piece is the whole prompt; its first token's
+        distribution is compared. The pool and the connector are never involved (no KITE parameters)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -554,13 +554,22 @@ class VllmScheduler:
         request = check.request
         if self.engine.identity_of(request).fingerprint_hex != check.model_fingerprint:
             raise RequestRejected("model_not_found", "its adapter was reloaded with other weights")
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=1, logprobs=TOP_LOGPROBS,
-                                skip_reading_prefix_cache=True, output_kind=RequestOutputKind.FINAL_ONLY)
-        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids), cache_salt=request.cache_salt or None)
+        lora = self.engine.lora_request(request.adapter)
+        salt = f"kite-shadow-{uuid.uuid4().hex}"
+        tokens = list(request.prompt_token_ids)
+        block = self.engine.block_size
+        piece = max(block, self.shadow_chunk_tokens // block * block)
+        ends = [*range(piece, len(tokens), piece), len(tokens)]
         final = None
-        async for out in self.engine.llm.generate(prompt, params, f"shadow-{request.request_id}-{check.num_interrupted}",
-                                                  lora_request=self.engine.lora_request(request.adapter)):
-            final = out
+        for i, end in enumerate(ends):
+            if i:
+                await self._until_idle()
+            last = end == len(tokens)
+            params = SamplingParams(n=1, temperature=0.0, max_tokens=1, logprobs=TOP_LOGPROBS if last else None,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
+            async for out in self.engine.llm.generate(TokensPrompt(prompt_token_ids=tokens[:end], cache_salt=salt),
+                                                      params, f"shadow-{request.request_id}-{i}", lora_request=lora):
+                final = out
         if final is None or not final.outputs[0].logprobs:
             raise RuntimeError("vLLM returned no log-probabilities")
         return _top_logprobs(final.outputs[0].logprobs[0])
