@@ -18,11 +18,9 @@ import logging
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-import nats.errors
-import nats.js.errors
 from nats.aio.client import Client as NATS
-from nats.js.kv import KeyValue
 
+from kite_shared.kv_bucket import Bucket
 from kite_shared.messages import AdapterAdminReply, AdapterAdminRequest
 
 log = logging.getLogger(__name__)
@@ -38,53 +36,23 @@ class StoredAdapter:
 
 class AdapterStore:
     def __init__(self, nc: NATS) -> None:
-        self.nc = nc
-        self._kv: KeyValue | None = None
-        self._without_jetstream = False
+        self._bucket = Bucket(nc, BUCKET, "adapters loaded at run time are not kept for processes that start later")
 
     async def save(self, name: str, path: str) -> None:
-        kv = await self._bucket()
-        if kv is not None:
-            await kv.put(name.encode().hex(), json.dumps({"name": name, "path": path}).encode())
+        await self._bucket.put(name.encode().hex(), json.dumps({"name": name, "path": path}).encode())
 
     async def remove(self, name: str) -> None:
-        kv = await self._bucket()
-        if kv is not None:
-            try:
-                await kv.delete(name.encode().hex())
-            except nats.js.errors.KeyNotFoundError:
-                pass  # loaded from KITE_ADAPTERS, never stored
+        await self._bucket.delete(name.encode().hex())
 
     async def load(self) -> list[StoredAdapter]:
-        kv = await self._bucket()
-        if kv is None:
-            return []
-        try:
-            keys = await kv.keys()
-        except nats.js.errors.NoKeysError:
-            return []
         stored = []
-        for key in keys:
+        for key, value in await self._bucket.entries():
             try:
-                entry = json.loads((await kv.get(key)).value or b"")
+                entry = json.loads(value)
                 stored.append(StoredAdapter(name=str(entry["name"]), path=str(entry["path"])))
-            except nats.js.errors.KeyNotFoundError:
-                continue  # unloaded meanwhile
             except (ValueError, KeyError, TypeError) as exc:
                 log.error("stored adapter entry %s unreadable (%r): not loaded", key, exc)
         return sorted(stored, key=lambda a: a.name)
-
-    async def _bucket(self) -> KeyValue | None:
-        if self._kv is None and not self._without_jetstream:
-            try:
-                self._kv = await self.nc.jetstream().create_key_value(bucket=BUCKET, history=1)
-            except nats.js.errors.ServiceUnavailableError:
-                self._without_jetstream = True
-                log.warning("JetStream is not enabled on this NATS server: adapters loaded at run time are not "
-                            "kept for processes that start later")
-            except nats.errors.Error as exc:
-                log.warning("adapter bucket unavailable (%r): not used this time", exc)
-        return self._kv
 
 
 async def load_stored_adapters(nc: NATS, served: dict[str, object],
