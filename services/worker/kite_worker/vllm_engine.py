@@ -11,7 +11,12 @@ caching, stop strings and sampling are vLLM's; this module only maps requests an
   with KITE's per-request decisions for the connector in `kv_transfer_params["kite"]`, among them how many
   leading blocks the ru-pool holds (asked here, on this process's event loop, or taken from the router's
   lookup), so the connector never waits on the pool inside vLLM's scheduler loop for blocks it lacks;
-- `reuse: false` also skips vLLM's prefix cache, so "reuse off" really computes everything;
+- `reuse: false` also skips vLLM's prefix cache, so "reuse off" really computes everything, and so does
+  a quarantined namespace (its requests reuse nothing; vLLM's prefix cache is reset when it begins);
+- a LoRA adapter's request carries its `LoRARequest` (vLLM's LoRA layers) and its model fingerprint for
+  the connector (docs/adapters.md);
+- shadow verification (docs/verification.md): a sampled request keeps its first token's top
+  log-probabilities; a hit is recomputed later, piece by piece while the worker is idle, and compared;
 - vLLM's delta outputs -> TokenChunk events, the finishing delta -> StreamEnd (EOS is not a completion
   token, as in the reference engine); `cached_tokens` is vLLM's `num_cached_tokens` (its local hit plus
   the blocks the connector loaded).
