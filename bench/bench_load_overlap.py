@@ -75,13 +75,13 @@ def main() -> int:
     rng = random.Random(0)
     documents = [{"role": "system", "content": workloads.make_text(rng, args.doc_tokens)}
                  for _ in range(args.documents)]
-    question = [{"role": "user", "content": "Summarize the document in one line."},
+    questions = [{"role": "user", "content": "Summarize the document in one line."},
                 {"role": "user", "content": "Name the document's first subject."}]
     stack = LocalStack(StackOptions(num_workers=1, services=("fingerprinter", "ru-pool", "gateway"), env=VLLM_ENV))
     try:
         stack.start(timeout_s=400)
         for doc in documents:  # computed once: their blocks go to the pool
-            chat(stack.http_url, [doc, question[0]], 1)
+            chat(stack.http_url, [doc, questions[0]], 1)
         time.sleep(3.0)  # the last saves reach the pool
         for worker in stack.workers():
             stack.stop_process(worker)
@@ -103,7 +103,7 @@ def main() -> int:
         ttfts: dict[str, list[float]] = {"pool": [], "local": []}
         cached: dict[str, list[int]] = {"pool": [], "local": []}
         for doc in documents:
-            for kind, q in (("pool", question[1]), ("local", question[0])):
+            for kind, q in (("pool", questions[1]), ("local", questions[0])):
                 sent = time.perf_counter()
                 ttft, num_cached, _ = chat(stack.http_url, [doc, q], 1)
                 windows[kind].append((sent, sent + ttft))

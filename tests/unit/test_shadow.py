@@ -87,3 +87,18 @@ def test_a_vllm_check_is_judged_on_top_logprobs():
     assert not verifier.judge_top_logprobs(hit, top_logprobs(logits + 1e-4 * torch.randn(200), 20)).diverged
     assert verifier.judge_top_logprobs(hit, top_logprobs(torch.randn(200) * 3, 20)).diverged
     assert (verifier.num_checked, verifier.num_diverged) == (2, 1)
+
+
+def test_the_top_k_divergence_of_a_near_tie_at_the_kth_token_is_finite_and_small():
+    from kite_worker.shadow import top_logprobs_divergence
+
+    # A confident first token and a tie at the 20th place that the two sides break differently: the
+    # truncated lists name different tokens, which must read as agreement, not as an infinite divergence.
+    logits = torch.full((23,), -40.0)
+    logits[0], logits[1:19] = 25.0, 0.0
+    reused, recomputed = logits.clone(), logits.clone()
+    recomputed[19], recomputed[20] = 0.0, -1e-4
+    reused[19], reused[20] = -1e-4, 0.0
+    divergence = top_logprobs_divergence(top_logprobs(recomputed, 20), top_logprobs(reused, 20))
+    assert 0.0 <= divergence < 1e-9
+    assert top_logprobs_divergence(top_logprobs(recomputed, 20), {}) == float("inf")  # nothing to compare

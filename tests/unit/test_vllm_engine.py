@@ -74,6 +74,7 @@ class ScriptedLLM:
         self.calls: list[tuple] = []
         self.errored = False
         self.loras: dict[int, str] = {}  # loaded adapters: id -> vLLM name
+        self.prefix_cache_resets: list[bool] = []
 
     async def add_lora(self, lora_request) -> bool:
         self.loras[lora_request.lora_int_id] = lora_request.lora_name
@@ -81,6 +82,10 @@ class ScriptedLLM:
 
     async def remove_lora(self, lora_id: int) -> bool:
         return self.loras.pop(lora_id, None) is not None
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        self.prefix_cache_resets.append(reset_running_requests)
+        return True
 
     async def generate(self, prompt, params, request_id, lora_request=None):
         self.calls.append((prompt, params, request_id, lora_request))
@@ -292,10 +297,15 @@ async def test_a_worker_started_without_lora_layers_refuses_adapters(tmp_path):
 async def test_a_quarantined_namespace_reuses_nothing_on_vllm():
     llm = ScriptedLLM([([5], "x", "length")])
     scheduler, _ = make_scheduler(llm)
-    scheduler.quarantined.add(BASE.fingerprint_hex)
+    scheduler.quarantine(BASE.fingerprint_hex, True)
+    scheduler.quarantine(BASE.fingerprint_hex, True)  # the decision repeated: nothing more happens
     await serve(scheduler, request("a"))
     params = llm.calls[0][1]
     assert params.skip_reading_prefix_cache and params.extra_args is None
+    assert llm.prefix_cache_resets == [True]  # once, running requests included
+    scheduler.quarantine(BASE.fingerprint_hex, False)
+    await serve(scheduler, request("b"))
+    assert not llm.calls[1][1].skip_reading_prefix_cache
 
 
 # --- shadow verification ---------------------------------------------------------------------------------

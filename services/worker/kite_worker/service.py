@@ -360,17 +360,7 @@ class WorkerService:
     def quarantine(self, model_fingerprint: str, quarantined: bool) -> None:
         """control.Worker: the arbitrator (un)quarantined a namespace."""
         if self.on_vllm:
-            if quarantined == (model_fingerprint in self.scheduler.quarantined):
-                return  # decisions are repeated every 5 s
-            if not quarantined:
-                self.scheduler.quarantined.discard(model_fingerprint)
-                return
-            self.scheduler.quarantined.add(model_fingerprint)
-            log.warning("quarantine of %s: its requests reuse nothing; vLLM's prefix cache and the staged "
-                        "pool blocks are dropped", model_fingerprint[:16])
-            task = asyncio.create_task(self.loaded.engine.drop_reused_kv())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self.scheduler.quarantine(model_fingerprint, quarantined)
             return
         if quarantined != (model_fingerprint in self.loaded.engine.quarantined):
             self.scheduler.quarantine(model_fingerprint, quarantined)

@@ -17,8 +17,9 @@ Why the first token's distribution: it depends on every reused position through 
 forward pass on the served request, and is what decides the answer. On vLLM the engine hands out the
 first token's top-K log-probabilities (K = TOP_LOGPROBS), not its logits: the divergence is then the KL of
 the distributions coarsened to those tokens plus one bucket for the rest of the vocabulary
-(`top_logprobs_divergence`), which never exceeds the full KL, so a tolerance that holds for the full KL
-holds for it. Why KL and these tolerances: storing
+(`top_logprobs_divergence`); coarsening never increases a KL, so a tolerance set for the full KL holds
+for it (tokens the reused top K lacks are given the most they can have there, which can only understate
+their share). Why KL and these tolerances: storing
 KV rounds it; measured on SmolLM2-135M over 16 prompts with reuse against recompute, the largest KL was
 1.1e-6 (float16 storage), 8.8e-5 (bfloat16), 1.8e-11 (float32). The defaults sit about 100x above those,
 far below what other numerics give (a rope theta of 10,000 instead of 100,000: KL > 1).
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 from collections import deque
 from dataclasses import dataclass
 
@@ -76,23 +78,21 @@ def first_token_divergence(recomputed: torch.Tensor, reused: torch.Tensor) -> fl
 
 def top_logprobs_divergence(recomputed: dict[int, float], reused: dict[int, float]) -> float:
     """KL(recomputed || reused) in nats over the recomputed top-K tokens plus one bucket for the rest.
-    A token in the recomputed top K but not in the reused one gets the smallest reused log-probability
-    (an upper bound of its own): the estimate stays a lower bound of the full KL."""
-    if not recomputed:
-        return 0.0
-    floor = min(reused.values()) if reused else float("-inf")
+
+    A token in the recomputed top K but not in the reused one gets the smallest reused log-probability,
+    the most it can have there. The reused top K then holds at least as many tokens outside the bucketed
+    ones, each at least that probable, so the reused rest bucket is never negative: only rounding takes it
+    to zero, and it is floored at the smallest positive double rather than made an infinite divergence."""
+    floor = min(reused.values()) if reused else -math.inf
     divergence = 0.0
     p_rest, q_rest = 1.0, 1.0
     for token, log_p in recomputed.items():
         log_q = reused.get(token, floor)
-        p, q = math.exp(log_p), math.exp(log_q)
-        p_rest -= p
-        q_rest -= q
-        if p > 0:
-            divergence += p * (log_p - log_q) if q > 0 else math.inf
-    p_rest, q_rest = max(p_rest, 0.0), max(q_rest, 0.0)
+        divergence += math.exp(log_p) * (log_p - log_q)  # infinite only when nothing reused was reported
+        p_rest -= math.exp(log_p)
+        q_rest -= math.exp(log_q)
     if p_rest > 1e-12:
-        divergence += p_rest * math.log(p_rest / q_rest) if q_rest > 0 else math.inf
+        divergence += p_rest * math.log(p_rest / max(q_rest, sys.float_info.min))
     return max(0.0, divergence)
 
 

@@ -165,9 +165,7 @@ class VllmEngine:
             kv_cache_memory_bytes=int(self.options.kv_cache_gib * (1 << 30)),
             kv_transfer_config=kv_transfer, kv_events_config=kv_events,
             enable_lora=self.max_loras > 0, max_loras=max(1, self.max_loras), max_lora_rank=self.max_lora_rank)
-        self.llm = AsyncLLM.from_engine_args(args)
-        for adapter in self.adapters.values():
-            self._register_lora(adapter)
+        self.llm = AsyncLLM.from_engine_args(args)  # adapters' weights: load_adapters, once it can be awaited
 
     # --- LoRA adapters ------------------------------------------------------------------------------------
 
@@ -312,6 +310,7 @@ class VllmScheduler:
         self._busy_at = time.monotonic()  # when a request last arrived or ended
         self.shadow_chunk_tokens = shadow_chunk_tokens
         self._shadow_runner: asyncio.Task | None = None
+        self._shadow_offered = asyncio.Event()  # a check joined the queue
         self._shadow_running = False  # a check is being recomputed
         self.max_queued = max_queued
         self._emit = emit
@@ -319,6 +318,7 @@ class VllmScheduler:
         self._pool_blocks = pool_blocks
         self._active: dict[str, VllmSequence] = {}  # reserved or generating
         self.quarantined: set[str] = set()  # model fingerprints (hex) whose requests reuse nothing
+        self._dropping_kv: asyncio.Task | None = None  # a quarantine's reset of vLLM's prefix cache
         self._stopped = False
         self.ttft_samples: deque[float] = deque(maxlen=1000)
         self.max_running = engine.options.max_num_seqs
@@ -397,6 +397,20 @@ class VllmScheduler:
 
     def idle(self) -> bool:
         return not self._active
+
+    def quarantine(self, model_fingerprint: str, quarantined: bool) -> None:
+        """The arbitrator (un)quarantined a namespace (its decisions repeat every 5 s: idempotent). From
+        now on its requests reuse nothing, and vLLM forgets every block it holds: its prefix cache cannot
+        drop one namespace, nor tell loaded blocks from computed ones."""
+        if quarantined == (model_fingerprint in self.quarantined):
+            return
+        if not quarantined:
+            self.quarantined.discard(model_fingerprint)
+            return
+        self.quarantined.add(model_fingerprint)
+        log.warning("quarantine of %s: its requests reuse nothing; vLLM's prefix cache and the staged pool "
+                    "blocks are dropped", model_fingerprint[:16])
+        self._dropping_kv = asyncio.get_running_loop().create_task(self.engine.drop_reused_kv())
 
     def uses_adapter(self, name: str) -> bool:
         """Whether a request of this adapter is reserved or generating."""
@@ -499,6 +513,7 @@ class VllmScheduler:
         if seq.first_top_logprobs is not None and cached > 0:
             self.shadow.offer(ShadowCheck(request, seq.identity.fingerprint_hex, cached,
                                           reused_top_logprobs=seq.first_top_logprobs))
+            self._shadow_offered.set()
         self._measure(seq, len(request.prompt_token_ids) - cached)
         self.engine.num_prompt_tokens_reused += cached
         self.engine.num_prompt_tokens_computed += len(request.prompt_token_ids) - cached
@@ -517,11 +532,12 @@ class VllmScheduler:
         """Recompute the oldest waiting check, a piece at a time, each piece only once no request has
         arrived or run for `shadow_idle_s`: a request arriving meanwhile waits for one piece at most."""
         while not self._stopped:
+            if not self.shadow.has_pending():
+                self._shadow_offered.clear()
+                await self._shadow_offered.wait()
+                continue
             await self._until_idle()
             check = self.shadow.take()
-            if check is None:
-                await asyncio.sleep(self.shadow_idle_s)
-                continue
             self._shadow_running = True
             try:
                 recomputed = await self._recompute(check)
