@@ -218,6 +218,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KITE_VLLM_STAGING_DIR", Path, "/dev/shm", WORKER,
             "Folder (a memory-backed file system) where the KV connector stages blocks between vLLM's "
             "scheduler and model-runner processes."),
+    Setting("KITE_VLLM_STAGING_MIB", int, "256", WORKER,
+            "MiB of the staging arena in KITE_VLLM_STAGING_DIR: pool blocks fetched for loading wait there "
+            "until vLLM's model runner copies them in (and stay while unpinned for requests with the same "
+            "prefix). Reserved at start, so a full /dev/shm stops the worker then, not mid-request. The "
+            "default holds about 10,000 tokens of the default model.", minimum=1),
     Setting("KITE_WORKER_POOL_READ", bool, "on", WORKER,
             "Load missing prefix blocks from the ru-pool's tiers when the cost model says loading beats "
             "recomputing."),
@@ -571,6 +576,7 @@ class WorkerConfig:
     vllm_max_num_seqs: int = env("KITE_VLLM_MAX_NUM_SEQS")
     vllm_max_loras: int = env("KITE_VLLM_MAX_LORAS")
     vllm_staging_dir: Path = env("KITE_VLLM_STAGING_DIR")
+    vllm_staging_mib: int = env("KITE_VLLM_STAGING_MIB")
     metrics_port: int = env("KITE_METRICS_PORT")
     standby: bool = env("KITE_WORKER_STANDBY")
     write_policy: str = env("KITE_WORKER_WRITE_POLICY")

@@ -606,7 +606,7 @@ def test_compose_fingerprinter_and_worker_share_one_environment():
 
 
 def test_compose_vllm_worker_has_room_in_shared_memory():
-    # vLLM's processes and the KV connector's staging files (KITE_VLLM_STAGING_DIR) live in /dev/shm,
+    # vLLM's processes and the KV connector's staging arena and files (KITE_VLLM_STAGING_DIR) live in /dev/shm,
     # 64 MB in a Docker container unless shm_size says otherwise.
     worker = compose()["services"]["worker"]
     assert compose_effective("worker", "KITE_ENGINE") == "vllm"

@@ -1,43 +1,115 @@
-"""The KV agent's staging store (no NATS: the agent is not started): pins, and files removed under it."""
+"""The KV agent's staging store (no NATS: the agent is not started): slots of the staging arena, pins,
+LRU reuse of unpinned slots, and slots cleared under it at a quarantine."""
 
 from __future__ import annotations
+
+import asyncio
 
 import torch
 
 from kite_shared.fingerprint import BlockHash
-from kite_worker.kv_agent import STAGED_LOAD_GLOB, AgentOptions, KVAgent, staged_load_path
+from kite_worker.kv_agent import AgentOptions, KVAgent, _FetchTicket
+from kite_worker.staging_arena import ARENA_FILE, StagingArena
 
-HASHES = [BlockHash(bytes([i]) * 32) for i in range(3)]
-
-
-def agent(tmp_path) -> KVAgent:
-    return KVAgent(AgentOptions(worker_id="w", model_fingerprint="ab" * 32, block_size=4, unit_shape=(2, 2, 1, 4, 8),
-                                storage_dtype=torch.float16, staging_dir=tmp_path, pool_read=True, pool_write=True))
+HASHES = [BlockHash(bytes([i]) * 32) for i in range(1, 5)]  # an all-zero tag is an empty slot
+UNIT_SHAPE = (2, 2, 1, 4, 8)  # 256 bytes in fp16
 
 
-def stage(kv: KVAgent, hashes) -> None:
-    """As a completed fetch leaves them: a file per block, known to the store with no pin."""
-    for block_hash in hashes:
-        staged_load_path(kv.options.staging_dir, block_hash).write_bytes(b"\0" * kv.block_bytes)
-        kv._staged[bytes(block_hash)] = 0
+def agent(tmp_path, num_slots: int = 8) -> KVAgent:
+    return KVAgent(AgentOptions(worker_id="w", model_fingerprint="ab" * 32, block_size=4, unit_shape=UNIT_SHAPE,
+                                storage_dtype=torch.float16, staging_dir=tmp_path, pool_read=True, pool_write=True,
+                                staging_bytes=num_slots * 256))
+
+
+class PoolAnswers:
+    """What the pool loader returns for the hashes it is asked (each value the hash's first byte)."""
+
+    def __init__(self) -> None:
+        self.asked: list[list[bytes]] = []
+
+    async def load(self, hashes, num_local, tenant, model_fingerprint):
+        self.asked.append([bytes(h) for h in hashes])
+        return [(h, torch.full(UNIT_SHAPE, float(bytes(h)[0]), dtype=torch.float16)) for h in hashes]
+
+
+def fetch_from_pool(kv: KVAgent, hashes, ticket: _FetchTicket | None = None) -> int:
+    """What the agent's loop runs for a fetch: the blocks staged (and pinned)."""
+    kv.loader = PoolAnswers()
+    return asyncio.run(kv._fetch(list(hashes), "acme", "ab" * 32, ticket or _FetchTicket()))
+
+
+def staged_values(kv: KVAgent, block_hash) -> float:
+    """The block as the model runner reads it from its own mapping of the arena."""
+    runner = StagingArena.open(kv.options.staging_dir / ARENA_FILE, kv.block_bytes)
+    slot = kv.staged_slot(block_hash)
+    assert runner.holds(slot, bytes(block_hash))
+    return torch.frombuffer(runner.payload(slot), dtype=torch.float16).unique().tolist()
+
+
+def test_fetched_blocks_are_staged_in_slots_the_model_runner_reads_and_pinned(tmp_path):
+    kv = agent(tmp_path)
+    assert fetch_from_pool(kv, HASHES[:2]) == 2
+    assert {key: staged.pins for key, staged in kv._staged.items()} == {bytes(HASHES[0]): 1, bytes(HASHES[1]): 1}
+    assert staged_values(kv, HASHES[0]) == [1.0] and staged_values(kv, HASHES[1]) == [2.0]
+    assert kv.num_blocks_fetched == 2
 
 
 def test_a_staged_prefix_is_pinned_up_to_the_first_block_not_staged(tmp_path):
     kv = agent(tmp_path)
-    stage(kv, HASHES[:2])
-    assert kv.fetch(HASHES, "acme", "ab" * 32).result() == 2  # not connected: only what is staged already
-    assert kv._staged == {bytes(HASHES[0]): 1, bytes(HASHES[1]): 1}
+    fetch_from_pool(kv, HASHES[:2])
     kv.unpin(HASHES[:2])
-    assert kv._staged == {bytes(HASHES[0]): 0, bytes(HASHES[1]): 0}
+    assert kv.fetch(HASHES, "acme", "ab" * 32).result() == 2  # not connected: only what is staged already
+    assert {key: staged.pins for key, staged in kv._staged.items()} == {bytes(HASHES[0]): 1, bytes(HASHES[1]): 1}
+    kv.unpin(HASHES[:2])
+    assert all(staged.pins == 0 for staged in kv._staged.values())
 
 
-def test_files_removed_at_a_quarantine_are_not_reported_as_staged(tmp_path):
+def test_slots_are_reused_least_recently_used_first_and_pinned_ones_never(tmp_path):
+    kv = agent(tmp_path, num_slots=2)
+    fetch_from_pool(kv, HASHES[:2])
+    kv.unpin(HASHES[:1])  # block 0 unpinned, block 1 still needed by a load
+    assert fetch_from_pool(kv, HASHES[2:4]) == 1  # one slot free to reuse: block 3 is computed
+    assert list(kv._staged) == [bytes(HASHES[1]), bytes(HASHES[2])]
+    assert staged_values(kv, HASHES[1]) == [2.0] and staged_values(kv, HASHES[2]) == [3.0]
+    kv.unpin(HASHES[1:3])
+    assert kv.fetch(HASHES[1:2], "acme", "ab" * 32).result() == 1  # block 1 now most recently used
+    kv.unpin(HASHES[1:2])
+    fetch_from_pool(kv, HASHES[3:4])
+    assert list(kv._staged) == [bytes(HASHES[1]), bytes(HASHES[3])]  # block 2 was the least recent
+
+
+def test_a_block_staged_by_a_fetch_beside_this_one_is_pinned_not_copied_again(tmp_path):
     kv = agent(tmp_path)
-    stage(kv, HASHES)
-    for staged in tmp_path.glob(STAGED_LOAD_GLOB):  # what the worker's front end does at a quarantine
-        staged.unlink()
-    assert kv.fetch(HASHES, "acme", "ab" * 32).result() == 0  # fetched again from the pool, never a missing file
+    fetch_from_pool(kv, HASHES[:1])
+    slot = kv.staged_slot(HASHES[0])
+    assert fetch_from_pool(kv, HASHES[:1]) == 1
+    assert kv.staged_slot(HASHES[0]) == slot and kv._staged[bytes(HASHES[0])].pins == 2
+
+
+def test_a_fetch_abandoned_at_its_deadline_leaves_no_pin_behind(tmp_path):
+    # Its result is never read, so nobody would unpin what it staged: the slots would be lost for good.
+    kv = agent(tmp_path, num_slots=2)
+    ticket = _FetchTicket()
+    assert fetch_from_pool(kv, HASHES[:2], ticket) == 2  # it finished after the scheduler gave up on it
+    kv._abandon(ticket)
+    assert all(staged.pins == 0 for staged in kv._staged.values())
+    assert fetch_from_pool(kv, HASHES[2:4]) == 2  # both slots reusable
+    late = _FetchTicket()
+    kv._abandon(late)  # abandoned before it staged anything: it stages nothing
+    assert fetch_from_pool(kv, HASHES[:1], late) == 0
+    assert {key: staged.pins for key, staged in kv._staged.items()} == {bytes(HASHES[2]): 1, bytes(HASHES[3]): 1}
+
+
+def test_slots_cleared_at_a_quarantine_are_not_reported_as_staged(tmp_path):
+    kv = agent(tmp_path)
+    fetch_from_pool(kv, HASHES[:3])
+    kv.unpin(HASHES[:3])
+    front_end = StagingArena.open(tmp_path / ARENA_FILE)  # what the worker's front end does at a quarantine
+    front_end.clear_all()
+    assert kv.fetch(HASHES, "acme", "ab" * 32).result() == 0  # fetched again from the pool, never stale bytes
     assert bytes(HASHES[0]) not in kv._staged
+    assert fetch_from_pool(kv, HASHES[:3]) == 3  # blocks 1 and 2 too: their cleared slots are replaced
+    assert staged_values(kv, HASHES[2]) == [3.0]
 
 
 def test_a_pending_fetch_answers_none_until_done_and_never_waits():
@@ -54,8 +126,10 @@ def test_a_pending_fetch_answers_none_until_done_and_never_waits():
     failed.set_exception(TimeoutError("tier"))
     assert PendingFetch(1, failed, timeout_s=60).result() == 1  # a tier error: the rest is computed
     slow: Future = Future()
-    late = PendingFetch(1, slow, timeout_s=0)
+    abandoned = []
+    late = PendingFetch(1, slow, timeout_s=0, abandon=lambda: abandoned.append(True))
     assert late.result() == 1 and slow.cancelled()  # past its deadline: cancelled, computed instead
+    assert abandoned == [True]  # and the agent told to drop what it pins for it
     seen = []
     done_later: Future = Future()
     PendingFetch(0, done_later, timeout_s=60).on_done(seen.append)

@@ -43,12 +43,11 @@ class CostModelConfig:
     # vLLM-CPU one request at a time: 1.27 req/s of 16 tokens with TTFT 0.166 s -> 41 ms per token.
     decode_tokens_per_s: float = 24.0
     block_bytes: int = SMOLLM2_BLOCK_BYTES
-    # bench_pool_lookup.py before issue 15's data plane: hot blocks through the pool's same-host hand-off,
-    # verified: 231-241 MB/s; warm read directly from Redis, 8 concurrent GETs, verified: 381-425 MB/s.
-    # docs/architecture.md's simulated figures were computed with these. bench_data_plane.py measures
-    # 2,446-3,177 (hot, same host) and 1,134-1,607 MB/s (warm) since: --hot-load-mb-s / --warm-load-mb-s.
-    hot_load_mb_s: float = 236.0
-    warm_load_mb_s: float = 403.0
+    # bench/bench_data_plane.py, verified reads of 128 blocks on this machine (2026-12-01, docs/benchmarks.md):
+    # hot blocks on the pool's block stream, the path of a worker on another host than the pool (a
+    # fleet's case): 820-1,445 MB/s; warm read directly from Redis: 1,134-1,607 MB/s. The low ends.
+    hot_load_mb_s: float = 820.0
+    warm_load_mb_s: float = 1134.0
 
 
 @dataclass(frozen=True)

@@ -4,17 +4,20 @@ Boundary: lives in vLLM's engine-core process, beside the scheduler-side connect
 own with its own asyncio loop and NATS connection (as LMCache's connector owns its I/O). The connector
 calls it from the scheduler thread through two methods only:
 - `fetch(hashes, tenant, model_fingerprint)`: starts staging the leading blocks the pool has (and the
-  cost model says are cheaper to load than to compute), verified, as files; returns a `PendingFetch` at
-  once, which the scheduler polls step by step (vLLM schedules the request once it answers);
+  cost model says are cheaper to load than to compute), verified, into slots of the staging arena;
+  returns a `PendingFetch` at once, which the scheduler polls step by step (vLLM schedules the request
+  once it answers; `staged_slot` then says where each block is);
 - `publish(infos)`: blocks the model runner is saving to staging files this step; the agent waits for
   each file to appear, then hands the block to the pool (encoded as a recyclable unit with its HMAC).
   Never waits on the caller's thread.
 and, from the connector's KV event listener, `announce(changes)`: what vLLM's own cache now holds.
 
-Staging files live in a memory-backed folder (/dev/shm) shared with vLLM's model-runner process, which
-copies them into (loads) or out of (saves) its paged KV tensors: block bytes cross processes without
-pickling. Staged loads are kept in an LRU of `staging_bytes` (requests behind each other with the same
-prefix share one fetch); a file a pending load still needs is pinned until its request ends.
+Staged loads live in the staging arena (staging_arena.py: one shared-memory file of `staging_bytes`,
+mapped by vLLM's model-runner process, which copies slots into its paged KV tensors); saved blocks come
+back as files in the same memory-backed folder. Block bytes cross processes without pickling. Staged
+blocks are kept in LRU order (requests behind each other with the same prefix share one fetch); a block
+a pending load still needs is pinned until its request ends, and a fetch stages no more blocks than
+there are unpinned slots.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +45,7 @@ from kite_shared.tiers.client import TierClient
 from kite_shared.tiers.pool_client import PoolClient
 from kite_worker.kv_plan import SavedBlockInfo
 from kite_worker.pool_loader import CostModel, PoolLoader
+from kite_worker.staging_arena import ARENA_FILE, StagingArena
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +60,7 @@ class AgentOptions:
     staging_dir: Path  # memory-backed folder shared with the model-runner process
     pool_read: bool
     pool_write: bool
-    staging_bytes: int = 512 << 20
+    staging_bytes: int  # the staging arena's size: slots for staged loads (KITE_VLLM_STAGING_MIB)
     fetch_timeout_s: float = 5.0  # hard cap on top of the cost model's deadline
     save_wait_s: float = 10.0  # how long a planned save may take to appear before it is given up
 
@@ -71,30 +75,26 @@ class ConnectorOptions:
     storage_dtype: torch.dtype
     pool_read: bool
     pool_write: bool
+    staging_bytes: int  # the staging arena's size
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorOptions":
         return cls(model_fingerprint=extra["model_fingerprint"], worker_id=extra["worker_id"],
                    staging_dir=Path(extra["staging_dir"]), storage_dtype=getattr(torch, extra["storage_dtype"]),
-                   pool_read=bool(extra["pool_read"]), pool_write=bool(extra["pool_write"]))
+                   pool_read=bool(extra["pool_read"]), pool_write=bool(extra["pool_write"]),
+                   staging_bytes=int(extra["staging_bytes"]))
 
     @staticmethod
     def extra_config(model_fingerprint: str, worker_id: str, staging_dir: Path, storage_dtype: str,
-                     pool_read: bool, pool_write: bool) -> dict[str, Any]:
+                     pool_read: bool, pool_write: bool, staging_bytes: int) -> dict[str, Any]:
         return {"model_fingerprint": model_fingerprint, "worker_id": worker_id, "staging_dir": str(staging_dir),
-                "storage_dtype": storage_dtype, "pool_read": pool_read, "pool_write": pool_write}
+                "storage_dtype": storage_dtype, "pool_read": pool_read, "pool_write": pool_write,
+                "staging_bytes": staging_bytes}
 
 
 def kv_events_endpoint(worker_id: str) -> str:
     """Where vLLM publishes its KV cache events for the connector (ZMQ inproc: both in engine core)."""
     return f"inproc://kite-kv-events-{worker_id}"
-
-
-STAGED_LOAD_GLOB = "in-*.kv"  # staged loads: removed by the worker's front end at a quarantine
-
-
-def staged_load_path(staging_dir: Path, block_hash: bytes) -> Path:
-    return staging_dir / f"in-{bytes(block_hash).hex()}.kv"
 
 
 def save_path(staging_dir: Path, block_hash: bytes) -> Path:
@@ -107,7 +107,11 @@ class KVAgent:
         self._ru_key = ru_key()  # once: ru_key() reads the configuration
         self.block_bytes = _numel(options.unit_shape) * torch.empty(0, dtype=options.storage_dtype).element_size()
         self.cost = CostModel(options.block_size, self.block_bytes)
-        self._staged: OrderedDict[bytes, int] = OrderedDict()  # hash -> pins
+        options.staging_dir.mkdir(parents=True, exist_ok=True)
+        self.arena = StagingArena.create(options.staging_dir / ARENA_FILE, self.block_bytes,
+                                         max(1, options.staging_bytes // self.block_bytes))
+        self._staged: OrderedDict[bytes, _Staged] = OrderedDict()  # hash -> where, and its pins (LRU order)
+        self._free_slots = list(range(self.arena.num_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self._staged_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -116,7 +120,6 @@ class KVAgent:
         self.loader: PoolLoader | None = None
         self.num_blocks_fetched = 0
         self.num_blocks_published = 0
-        options.staging_dir.mkdir(parents=True, exist_ok=True)
 
     # --- lifecycle --------------------------------------------------------------------------------------
 
@@ -157,9 +160,8 @@ class KVAgent:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5.0)
         with self._staged_lock:
-            for block_hash in list(self._staged):
-                staged_load_path(self.options.staging_dir, block_hash).unlink(missing_ok=True)
             self._staged.clear()
+        self.arena.close()
 
     # --- loads (scheduler thread) --------------------------------------------------------------------------
 
@@ -170,53 +172,101 @@ class KVAgent:
         num_staged = self._pin_staged_prefix(hashes)
         if num_staged == len(hashes) or not self._ready.is_set() or not self.options.pool_read:
             return PendingFetch(num_staged, None, self.options.fetch_timeout_s)
-        future: Future = asyncio.run_coroutine_threadsafe(self._fetch(hashes[num_staged:], tenant, model_fingerprint),
-                                                       self._loop)
-        return PendingFetch(num_staged, future, self.options.fetch_timeout_s)
+        ticket = _FetchTicket()
+        future: Future = asyncio.run_coroutine_threadsafe(
+            self._fetch(hashes[num_staged:], tenant, model_fingerprint, ticket), self._loop)
+        return PendingFetch(num_staged, future, self.options.fetch_timeout_s, abandon=lambda: self._abandon(ticket))
 
     def _pin_staged_prefix(self, hashes: list[BlockHash]) -> int:
         with self._staged_lock:
             count = 0
             for block_hash in hashes:
                 key = bytes(block_hash)
-                if key not in self._staged:
+                staged = self._staged.get(key)
+                if staged is None:
                     break
-                if not staged_load_path(self.options.staging_dir, key).exists():  # removed at a quarantine
-                    del self._staged[key]
+                if not self.arena.holds(staged.slot, key):  # cleared at a quarantine: fetch it again
+                    if staged.pins == 0:
+                        self._release(key)
                     break
-                self._staged[key] += 1
+                staged.pins += 1
                 self._staged.move_to_end(key)
                 count += 1
             return count
 
-    async def _fetch(self, hashes: list[BlockHash], tenant: str, model_fingerprint: str) -> int:
+    def staged_slot(self, block_hash: BlockHash) -> int:
+        """The arena slot of a block a `PendingFetch` reported staged (pinned, so it stays there)."""
+        with self._staged_lock:
+            return self._staged[bytes(block_hash)].slot
+
+    async def _fetch(self, hashes: list[BlockHash], tenant: str, model_fingerprint: str,
+                     ticket: "_FetchTicket") -> int:
         loaded = await self.loader.load(hashes, 0, tenant, model_fingerprint)
+        num_staged = 0
         for block_hash, tensor in loaded:
-            path = staged_load_path(self.options.staging_dir, block_hash)
-            write_atomically(path, tensor.contiguous().view(torch.uint8).numpy().tobytes())
+            key = bytes(block_hash)
             with self._staged_lock:
-                self._staged[bytes(block_hash)] = self._staged.get(bytes(block_hash), 0) + 1
-        self._evict_unpinned()
-        self.num_blocks_fetched += len(loaded)
-        return len(loaded)
+                if ticket.abandoned:  # the scheduler gave up on this fetch: nobody would unpin more
+                    break
+                staged = self._staged.get(key)
+                if staged is not None and self.arena.holds(staged.slot, key):  # staged by a fetch beside this one
+                    staged.pins += 1
+                    self._staged.move_to_end(key)
+                    ticket.pinned.append(key)
+                    num_staged += 1
+                    continue
+                slot = self._take_slot(key)
+            if slot is None:  # every slot pinned by loads under way: the rest is computed
+                break
+            # The slot is this fetch's alone until it is recorded below: one copy, without the lock the
+            # scheduler thread takes.
+            self.arena.write(slot, key, tensor.contiguous().view(torch.uint8).numpy())
+            with self._staged_lock:
+                if ticket.abandoned:
+                    self._staged[key] = _Staged(slot, pins=0)  # kept for a later request, not pinned
+                    break
+                self._staged[key] = _Staged(slot, pins=1)
+                ticket.pinned.append(key)
+            num_staged += 1
+        self.num_blocks_fetched += num_staged
+        return num_staged
+
+    def _abandon(self, ticket: "_FetchTicket") -> None:
+        """A fetch was cancelled (its deadline passed): it may still finish staging, but its result is never
+        read, so the pins it took are dropped now and it takes no more."""
+        with self._staged_lock:
+            ticket.abandoned = True
+            for key in ticket.pinned:
+                staged = self._staged.get(key)
+                if staged is not None and staged.pins > 0:
+                    staged.pins -= 1
+            ticket.pinned.clear()
+
+    def _take_slot(self, key: bytes) -> int | None:
+        """A slot for `key` (under the lock): a free one, else the least recently used unpinned one."""
+        cleared = self._staged.get(key)
+        if cleared is not None:  # its slot was cleared at a quarantine
+            if cleared.pins:  # a load under way still has it (and finds it cleared: computes it)
+                return None
+            self._release(key)
+        if not self._free_slots:
+            victim = next((k for k, staged in self._staged.items() if staged.pins == 0), None)
+            if victim is None:
+                return None
+            self._release(victim)
+        return self._free_slots.pop()
+
+    def _release(self, key: bytes) -> None:
+        staged = self._staged.pop(key)
+        self.arena.clear(staged.slot)
+        self._free_slots.append(staged.slot)
 
     def unpin(self, hashes: list[BlockHash]) -> None:
         with self._staged_lock:
             for block_hash in hashes:
-                key = bytes(block_hash)
-                if self._staged.get(key, 0) > 0:
-                    self._staged[key] -= 1
-        self._evict_unpinned()
-
-    def _evict_unpinned(self) -> None:
-        with self._staged_lock:
-            budget = max(1, self.options.staging_bytes // self.block_bytes)
-            for key in list(self._staged):
-                if len(self._staged) <= budget:
-                    break
-                if self._staged[key] == 0:
-                    del self._staged[key]
-                    staged_load_path(self.options.staging_dir, key).unlink(missing_ok=True)
+                staged = self._staged.get(bytes(block_hash))
+                if staged is not None and staged.pins > 0:
+                    staged.pins -= 1
 
     def observe_prefill(self, seconds: float, num_tokens: int) -> None:
         """A step that computed `num_tokens` prompt tokens took `seconds`: the recompute side of the
@@ -307,13 +357,28 @@ class KVAgent:
                     await self.pool.block_removed(model, [], all_blocks=True)
 
 
+@dataclass
+class _FetchTicket:
+    """What one fetch pinned, so that a cancelled fetch leaves no pin behind (guarded by the staging lock)."""
+
+    abandoned: bool = False
+    pinned: list[bytes] = field(default_factory=list)
+
+
+@dataclass
+class _Staged:
+    slot: int  # in the staging arena
+    pins: int  # loads under way or scheduled that need it
+
+
 class PendingFetch:
     """A fetch into staging under way. The scheduler thread polls it (`result()`: None while it runs) and
     never waits for it; one that outlives `timeout_s` is cancelled and counts what was staged before it."""
 
-    def __init__(self, num_staged: int, future: Future | None, timeout_s: float) -> None:
+    def __init__(self, num_staged: int, future: Future | None, timeout_s: float, abandon=None) -> None:
         self._num_staged = num_staged  # leading blocks staged (and pinned) before the fetch started
         self._future = future
+        self._abandon = abandon  # called when the fetch is cancelled: it drops the fetch's pins
         self._deadline = time.monotonic() + timeout_s
 
     def result(self) -> int | None:
@@ -325,6 +390,8 @@ class PendingFetch:
             if time.monotonic() < self._deadline:
                 return None
             future.cancel()  # too slow: those blocks are computed
+            if self._abandon is not None:
+                self._abandon()
             log.warning("pool fetch took longer than its deadline; computing the blocks")
         self._future = None
         if not future.cancelled():
@@ -359,8 +426,8 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """Readers never see a partial file: write beside it, then rename."""
+def write_atomically(path: Path, data) -> None:
+    """Readers never see a partial file: write beside it, then rename. `data`: any contiguous buffer."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}")
     with open(tmp, "wb") as f:
         f.write(data)

@@ -13,8 +13,9 @@ two instances:
   blocks to fill from staging and which newly computed blocks to save (`build_connector_meta`, decided
   by `KVPlanner`), and hands those saves to the agent, which publishes each once the model runner's file
   appears (saves never wait for a later engine step, which an idle engine would not take).
-- role WORKER, in the model-runner process: copies staged blocks into the paged KV before the forward
-  pass (`start_load_kv`; loads are synchronous, a block is a few hundred KB), and after it copies the
+- role WORKER, in the model-runner process: copies staged blocks from the staging arena (one shared
+  mapping: staging_arena.py) into the paged KV before the forward pass (`start_load_kv`; loads are
+  synchronous, a block is a few hundred KB), and after it copies the
   blocks to save out of the paged KV at once (the request may free them soon) and writes them to staging
   on a background thread (`wait_for_save`), so a save costs a step one memory copy.
 
@@ -29,7 +30,8 @@ request names the adapter's model fingerprint there: its blocks are hashed, fetc
 under the adapter's root, never the base's (vLLM's own hashes of them include the adapter too).
 
 Failures never fail a request or change an answer: a block the pool cannot supply in time is computed;
-a staged file that cannot be read is reported through `get_block_ids_with_load_errors`, and with
+a staged block whose slot no longer holds it (cleared at a quarantine) is reported through
+`get_block_ids_with_load_errors`, and with
 `kv_load_failure_policy="recompute"` vLLM computes those blocks again. Units are verified (checksum,
 HMAC, model fingerprint, tenant) before they are staged.
 """
@@ -37,7 +39,6 @@ HMAC, model fingerprint, tenant) before they are staged.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -57,9 +58,10 @@ from kite_shared.config import CommonConfig, load
 from kite_shared.fingerprint import BlockHash
 from kite_shared.service import setup_package_logging
 from kite_worker.kv_agent import (AgentOptions, ConnectorOptions, KVAgent, PendingFetch, kv_events_endpoint,
-                                  save_path, staged_load_path, write_atomically)
+                                  save_path, write_atomically)
 from kite_worker.kv_plan import PARAMS_KEY, KVPlanner, LocalBlockMirror, RequestParams
 from kite_worker.paged_layout import PagedLayer
+from kite_worker.staging_arena import ARENA_FILE, StagingArena
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -77,7 +79,7 @@ log = logging.getLogger(__name__)
 class KiteConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> model runner, once per step."""
 
-    loads: list[tuple[int, str]] = field(default_factory=list)  # (paged block id, staged file path)
+    loads: list[tuple[int, int, bytes]] = field(default_factory=list)  # (paged block id, arena slot, block hash)
     saves: list[tuple[int, str]] = field(default_factory=list)  # (paged block id, file path to write)
 
 
@@ -160,7 +162,8 @@ class _SchedulerSide:
         self.agent = KVAgent(AgentOptions(
             worker_id=options.worker_id, model_fingerprint=options.model_fingerprint,
             block_size=self.block_size, unit_shape=unit_shape, storage_dtype=options.storage_dtype,
-            staging_dir=options.staging_dir, pool_read=options.pool_read, pool_write=options.pool_write))
+            staging_dir=options.staging_dir, pool_read=options.pool_read, pool_write=options.pool_write,
+            staging_bytes=options.staging_bytes))
         self.agent.start()
         self.mirror = LocalBlockMirror()
         self._mirror_lock = threading.Lock()  # learned on the scheduler thread, read by the event listener
@@ -228,7 +231,7 @@ class _SchedulerSide:
                 if request is not None:
                     self._learn(request, copy.block_index, [copy.block_hash])
             for copy in step.loads:
-                meta.loads.append((copy.block_id, str(staged_load_path(self.options.staging_dir, copy.block_hash))))
+                meta.loads.append((copy.block_id, self.agent.staged_slot(copy.block_hash), bytes(copy.block_hash)))
             for copy in step.saves:
                 meta.saves.append((copy.block_id, str(save_path(self.options.staging_dir, copy.block_hash))))
                 saves.append(self.planner.saved_info(req_id, copy))
@@ -335,27 +338,39 @@ class _WorkerSide:
         self.options = connector.options
         self.layers: list[PagedLayer] = []
         self._load_errors: set[int] = set()
-        self._writes: queue.Queue[tuple[str, bytes] | None] = queue.Queue()
+        self._staging: StagingArena | None = None
+        self._writes: queue.Queue[tuple[str, "numpy.ndarray"] | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="kite-kv-save", daemon=True)
         self._writer.start()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layers = [PagedLayer(t) for t in kv_caches.values()]  # model order
 
-    def load(self, loads: list[tuple[int, str]]) -> None:
-        for block_id, path in loads:
-            try:
-                with open(path, "rb") as f:  # straight into writable memory torch can use: one copy
-                    data = bytearray(os.fstat(f.fileno()).st_size)
-                    f.readinto(data)
-                block = torch.frombuffer(data, dtype=self.options.storage_dtype)
-                block = block.view(len(self.layers), 2, *self.layers[0].block_shape)
-            except (OSError, RuntimeError) as exc:  # evicted, truncated or wrong shape: compute it
-                log.warning("staged block %s not loadable (%r); vLLM recomputes it", Path(path).name, exc)
+    def load(self, loads: list[tuple[int, int, bytes]]) -> None:
+        arena = self._arena()
+        for block_id, slot, block_hash in loads:
+            if arena is None or not arena.holds(slot, block_hash):  # cleared at a quarantine: compute it
                 self._load_errors.add(block_id)
                 continue
+            block = torch.frombuffer(arena.payload(slot), dtype=self.options.storage_dtype)
+            block = block.view(len(self.layers), 2, *self.layers[0].block_shape)
             for layer, values in zip(self.layers, block):
                 layer.write(block_id, values)
+            if not arena.holds(slot, block_hash):  # cleared while copied: what was copied is not trusted
+                self._load_errors.add(block_id)
+
+    def _arena(self) -> StagingArena | None:
+        """The agent's staging arena, mapped at the first load (the agent creates it as vLLM starts)."""
+        if self._staging is None:
+            heads, block_size, head_dim = self.layers[0].block_shape
+            element_bytes = torch.empty(0, dtype=self.options.storage_dtype).element_size()
+            payload_bytes = len(self.layers) * 2 * heads * block_size * head_dim * element_bytes
+            try:
+                self._staging = StagingArena.open(self.options.staging_dir / ARENA_FILE, payload_bytes)
+            except (OSError, ValueError) as exc:
+                log.error("staging arena not readable (%r); staged blocks are computed", exc)
+                return None
+        return self._staging
 
     def save(self, saves: list[tuple[int, str]]) -> None:
         if not saves:
@@ -366,8 +381,8 @@ class _WorkerSide:
         # model's, and on a small machine the two teams' spin-waits slow every step (measured: the
         # engine-core process took 40% of a core). The writer thread only writes bytes.
         gathered = torch.stack([layer.read(ids) for layer in self.layers], dim=1).to(self.options.storage_dtype)
-        for (_, path), block in zip(saves, gathered):
-            self._writes.put((path, block.view(torch.uint8).numpy().tobytes()))
+        for (_, path), block in zip(saves, gathered):  # views of the one gathered copy, written from there
+            self._writes.put((path, block.view(torch.uint8).numpy()))
         log.debug("saving %d blocks", len(saves))
 
     def _write_loop(self) -> None:

@@ -53,9 +53,10 @@ from kite_shared.messages import (ErrorInfo, Message, StreamEnd, StreamError, To
 from kite_shared.model_store import LocalModel, ModelIdentity
 from kite_shared.service import terminate_children
 from kite_worker.engine import RequestRejected, identity_of, validate_request
-from kite_worker.kv_agent import STAGED_LOAD_GLOB, ConnectorOptions, kv_events_endpoint
+from kite_worker.kv_agent import ConnectorOptions, kv_events_endpoint
 from kite_worker.kv_plan import PARAMS_KEY, RequestParams
 from kite_worker.shadow import TOP_LOGPROBS, ShadowCheck, ShadowOutcome, ShadowVerifier
+from kite_worker.staging_arena import ARENA_FILE, StagingArena
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +157,8 @@ class VllmEngine:
                 kv_connector_extra_config=ConnectorOptions.extra_config(
                     model_fingerprint=self.identity.fingerprint_hex, worker_id=self._worker_id,
                     staging_dir=self.options.staging_dir, storage_dtype=self._model_cfg.kv_storage_dtype,
-                    pool_read=self.options.pool_read, pool_write=self.options.pool_write))
+                    pool_read=self.options.pool_read, pool_write=self.options.pool_write,
+                    staging_bytes=self._worker_cfg.vllm_staging_mib << 20))
         args = AsyncEngineArgs(
             model=str(self.local.path), served_model_name=self.local.name, dtype=self._model_cfg.dtype,
             block_size=self.block_size, enable_prefix_caching=self.options.reuse,
@@ -225,8 +227,12 @@ class VllmEngine:
         preempted and recomputed by vLLM) and the pool blocks staged for loading."""
         if not await self.llm.reset_prefix_cache(reset_running_requests=True):
             log.error("vLLM did not reset its prefix cache after a quarantine")
-        for staged in self.options.staging_dir.glob(STAGED_LOAD_GLOB):
-            staged.unlink(missing_ok=True)
+        try:
+            arena = StagingArena.open(self.options.staging_dir / ARENA_FILE)
+        except FileNotFoundError:  # vLLM not started with the KV connector
+            return
+        arena.clear_all()
+        arena.close()
 
     def shutdown(self) -> None:
         if self.llm is not None:
