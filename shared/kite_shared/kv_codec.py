@@ -24,7 +24,9 @@ import math
 
 import torch
 
-LOSSLESS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+from kite_shared.recyclable_unit import TORCH_DTYPE_TO_CODEC
+
+LOSSLESS = {codec: getattr(torch, dtype) for dtype, codec in TORCH_DTYPE_TO_CODEC.items()}  # codec -> torch dtype
 LOSSY = ("int8", "fp8_e4m3")
 CODECS = (*LOSSLESS, *LOSSY)
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn

@@ -236,10 +236,7 @@ class KVAgent:
         read, so the pins it took are dropped now and it takes no more."""
         with self._staged_lock:
             ticket.abandoned = True
-            for key in ticket.pinned:
-                staged = self._staged.get(key)
-                if staged is not None and staged.pins > 0:
-                    staged.pins -= 1
+            self._unpin_locked(ticket.pinned)
             ticket.pinned.clear()
 
     def _take_slot(self, key: bytes) -> int | None:
@@ -263,10 +260,13 @@ class KVAgent:
 
     def unpin(self, hashes: list[BlockHash]) -> None:
         with self._staged_lock:
-            for block_hash in hashes:
-                staged = self._staged.get(bytes(block_hash))
-                if staged is not None and staged.pins > 0:
-                    staged.pins -= 1
+            self._unpin_locked([bytes(h) for h in hashes])
+
+    def _unpin_locked(self, keys: list[bytes]) -> None:
+        for key in keys:
+            staged = self._staged.get(key)
+            if staged is not None and staged.pins > 0:
+                staged.pins -= 1
 
     def observe_prefill(self, seconds: float, num_tokens: int) -> None:
         """A step that computed `num_tokens` prompt tokens took `seconds`: the recompute side of the

@@ -339,6 +339,7 @@ class _WorkerSide:
         self.layers: list[PagedLayer] = []
         self._load_errors: set[int] = set()
         self._staging: StagingArena | None = None
+        self._staging_failed = False  # the agent creates it before any load: a failure to open it is for good
         self._writes: queue.Queue[tuple[str, "numpy.ndarray"] | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="kite-kv-save", daemon=True)
         self._writer.start()
@@ -361,15 +362,15 @@ class _WorkerSide:
 
     def _arena(self) -> StagingArena | None:
         """The agent's staging arena, mapped at the first load (the agent creates it as vLLM starts)."""
-        if self._staging is None:
+        if self._staging is None and not self._staging_failed:
             heads, block_size, head_dim = self.layers[0].block_shape
             element_bytes = torch.empty(0, dtype=self.options.storage_dtype).element_size()
             payload_bytes = len(self.layers) * 2 * heads * block_size * head_dim * element_bytes
             try:
                 self._staging = StagingArena.open(self.options.staging_dir / ARENA_FILE, payload_bytes)
             except (OSError, ValueError) as exc:
-                log.error("staging arena not readable (%r); staged blocks are computed", exc)
-                return None
+                log.error("staging arena not readable (%r); every staged block is computed", exc)
+                self._staging_failed = True
         return self._staging
 
     def save(self, saves: list[tuple[int, str]]) -> None:

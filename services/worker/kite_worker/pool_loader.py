@@ -27,7 +27,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from kite_shared import recyclable_unit
+from kite_shared import kv_codec, recyclable_unit
 from kite_shared.fingerprint import BlockHash
 from kite_shared.recyclable_unit import RecyclableUnit, RUError
 from kite_shared.security import ANONYMOUS_TENANT, tenant_tag
@@ -35,7 +35,6 @@ from kite_shared.security import ANONYMOUS_TENANT, tenant_tag
 log = logging.getLogger(__name__)
 
 Buffer = bytes | memoryview  # an encoded unit as the pool (inline, or a mapped hand-off file) or a tier gave it
-CODEC_TO_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _EWMA_WEIGHT = 0.2  # weight of the newest sample
 
 
@@ -264,5 +263,5 @@ class PoolLoader:
             # Bytes that arrived in a NATS reply or a tier read: torch needs writable memory of its own.
             # (A mapped hand-off file is writable copy-on-write memory already: used as it is.)
             payload = bytearray(payload)
-        tensor = torch.frombuffer(payload, dtype=CODEC_TO_TORCH[unit.codec]).reshape(unit.shape)
+        tensor = torch.frombuffer(payload, dtype=kv_codec.LOSSLESS[unit.codec]).reshape(unit.shape)
         return tensor.to(self.storage_dtype)

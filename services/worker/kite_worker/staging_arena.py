@@ -41,7 +41,7 @@ class StagingArena:
         self.path = path
         self.payload_bytes = payload_bytes
         self.num_slots = num_slots
-        self.slot_stride = _TAG_FIELD + -(-payload_bytes // _TAG_FIELD) * _TAG_FIELD
+        self.slot_stride = _slot_stride(payload_bytes)
         self._map = mapping
         self._view = memoryview(mapping)
 
@@ -52,9 +52,8 @@ class StagingArena:
         room fails here, with OSError."""
         if payload_bytes <= 0 or num_slots <= 0:
             raise ValueError(f"an arena needs slots of some size: {num_slots} x {payload_bytes} bytes")
-        stride = _TAG_FIELD + -(-payload_bytes // _TAG_FIELD) * _TAG_FIELD
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        size = _HEADER_BYTES + num_slots * stride
+        size = _HEADER_BYTES + num_slots * _slot_stride(payload_bytes)
         with open(tmp, "w+b") as f:
             try:
                 os.posix_fallocate(f.fileno(), 0, size)  # zeros: every tag empty
@@ -129,3 +128,8 @@ class StagingArena:
             self._map.close()
         except BufferError:  # a tensor still views a slot: the mapping goes with the process
             pass
+
+
+def _slot_stride(payload_bytes: int) -> int:
+    """A slot: the tag's field, then the payload rounded up to whole tag fields (64-byte alignment)."""
+    return _TAG_FIELD + -(-payload_bytes // _TAG_FIELD) * _TAG_FIELD

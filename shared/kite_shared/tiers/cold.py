@@ -188,13 +188,15 @@ class S3Tier(_ThreadedTier):
 
 def _read_exactly(body, into: memoryview) -> None:
     """Read a response body straight into `into` (no intermediate bytes); a short body raises."""
-    filled = 0
-    while filled < into.nbytes:
-        count = body.readinto(into[filled:])
-        if count == 0:
-            raise OSError(f"response body ended after {filled} of {into.nbytes} bytes")
-        filled += count
-    body.close()
+    try:
+        filled = 0
+        while filled < into.nbytes:
+            count = body.readinto(into[filled:])
+            if count == 0:
+                raise OSError(f"response body ended after {filled} of {into.nbytes} bytes")
+            filled += count
+    finally:
+        body.close()
 
 
 class LocalDirTier(_ThreadedTier):
