@@ -7,7 +7,8 @@ Starts its own nats-server, redis-server and moto S3 server on free ports, and t
 process (`python -m kite_ru_pool`, hot tier in files of its hand-off folder on /dev/shm). Blocks have
 SmolLM2-135M's geometry (30 layers, 3 KV heads, head dim 64, 16 tokens, fp16: 368,640 payload bytes).
 Every KITE path ends with the units verified as a worker verifies them before loading: format, BLAKE3
-checksum, HMAC under the cluster key, block hash, model and tenant (`recyclable_unit.decode`).
+checksum, HMAC under the cluster key, block hash, model and tenant (`check_units`: a share of the units
+per core, as the worker's pool loader verifies a fetch).
 
 | path | what a worker does | floor |
 |---|---|---|
@@ -45,8 +46,9 @@ from bench_pool_lookup import make_chain
 from kite_cli.local_servers import free_port, start_nats, start_redis, wait_for_port
 from kite_shared import subjects
 from kite_shared.messages import PoolAdminRequest
-from kite_shared.recyclable_unit import decode
+from kite_shared.recyclable_unit import RecyclableUnit
 from kite_shared.security import ANONYMOUS_TENANT_TAG, ru_key
+from kite_shared.tiers.base import check_units
 from kite_shared.tiers.cold import LocalDirTier, S3Tier
 from kite_shared.tiers.keys import BlockKey, object_key, redis_key
 from kite_shared.tiers.pool_client import PoolClient
@@ -76,9 +78,12 @@ class Rounds:
 
 
 def verify_all(units, hashes: list[bytes], fp: str, key: bytes) -> int:
-    """What a worker does with units from the pool before loading them."""
-    return len([decode(u, expected_hash=h, expected_model=fp, key=key, expected_tenant_tag=ANONYMOUS_TENANT_TAG)
-                for u, h in zip(units, hashes)])
+    """What a worker does with units from the pool before loading them (`PoolLoader._verified`)."""
+    outcomes = check_units(list(units), hashes, fp, key, ANONYMOUS_TENANT_TAG)
+    bad = [o for o in outcomes if not isinstance(o, RecyclableUnit)]
+    if bad:
+        raise SystemExit(f"{len(bad)} units failed verification: {bad[0]!r}")
+    return len(outcomes)
 
 
 async def main() -> None:

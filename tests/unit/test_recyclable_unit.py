@@ -100,3 +100,13 @@ def test_encode_refuses_inconsistent_geometry():
     bad = RecyclableUnit(**{**unit().__dict__, "shape": (2, 2, 1, 8, 4)})
     with pytest.raises(RUFormatError):
         bad.encode()
+
+
+@pytest.mark.parametrize("num_bytes", [4096, 2 << 20])  # below and above MULTITHREAD_HASH_BYTES
+def test_checksum_is_the_same_on_any_number_of_threads(num_bytes):
+    payload = np.random.default_rng(0).integers(0, 255, num_bytes, dtype=np.uint8).tobytes()
+    u = RecyclableUnit(block_hash=b"\x01" * 32, parent_hash=b"\x02" * 32, model_fingerprint="ff" * 32,
+                       block_index=0, num_tokens=16, codec="fp16", shape=(1, 1, 1, 16, num_bytes // 32),
+                       payload=payload)
+    expected = blake3(payload).digest()
+    assert u.checksum() == u.checksum(1) == u.checksum(blake3.AUTO) == expected

@@ -27,10 +27,11 @@ from typing import Sequence as Seq
 
 import torch
 
-from kite_shared import kv_codec, recyclable_unit
+from kite_shared import kv_codec
 from kite_shared.fingerprint import BlockHash
 from kite_shared.recyclable_unit import RecyclableUnit, RUError
 from kite_shared.security import ANONYMOUS_TENANT, tenant_tag
+from kite_shared.tiers.base import check_units
 
 log = logging.getLogger(__name__)
 
@@ -169,9 +170,8 @@ class PoolLoader:
             log.info("pool fetch of %d blocks passed its %.3f s budget; computing instead", num_to_load, deadline_s)
             return []
         loaded = []
-        owner = tenant_tag(tenant)
-        for block_hash, data in zip(wanted, units):
-            tensor = self._to_tensor(block_hash, data, owner, model_fingerprint)
+        for block_hash, unit in zip(wanted, self._verified(wanted, units, tenant_tag(tenant), model_fingerprint)):
+            tensor = self._to_tensor(block_hash, unit)
             if tensor is None:
                 break
             loaded.append((block_hash, tensor))
@@ -238,21 +238,25 @@ class PoolLoader:
                 self.cost.tiers[letter].observe(last - direct_started, num_bytes)
         return results
 
-    def _to_tensor(self, block_hash: BlockHash, found: Buffer | RecyclableUnit | None,
-                   owner: str, model_fingerprint: str) -> torch.Tensor | None:
-        if found is None:
-            return None
-        if isinstance(found, RecyclableUnit):
-            unit = found
-        else:  # crossed NATS from the pool: verify here
-            try:
-                unit = recyclable_unit.decode(found, expected_hash=bytes(block_hash),
-                                              expected_model=model_fingerprint, key=self.mac_key,
-                                              expected_tenant_tag=owner)
-            except RUError as exc:
+    def _verified(self, hashes: list[BlockHash], units: list[Buffer | RecyclableUnit | None], owner: str,
+                  model_fingerprint: str) -> list[RecyclableUnit | None]:
+        """`units` with the pool's encoded bytes verified here (all at once, on every core: `check_units`);
+        units read from tiers directly were verified by the tier client. None for a rejected unit."""
+        crossed = [i for i, found in enumerate(units) if found is not None and not isinstance(found, RecyclableUnit)]
+        outcomes = check_units([units[i] for i in crossed], [bytes(hashes[i]) for i in crossed],
+                               model_fingerprint, self.mac_key, owner)
+        verified: list[RecyclableUnit | None] = [u if isinstance(u, RecyclableUnit) else None for u in units]
+        for i, outcome in zip(crossed, outcomes):
+            if isinstance(outcome, RUError):
                 self.num_rejected += 1
-                log.warning("pool block %s rejected: %s", bytes(block_hash).hex()[:16], exc)
-                return None
+                log.warning("pool block %s rejected: %s", bytes(hashes[i]).hex()[:16], outcome)
+            else:
+                verified[i] = outcome
+        return verified
+
+    def _to_tensor(self, block_hash: BlockHash, unit: RecyclableUnit | None) -> torch.Tensor | None:
+        if unit is None:
+            return None
         if tuple(unit.shape) != tuple(self.block_shape):
             self.num_rejected += 1
             log.warning("pool block %s has shape %s, this worker needs %s", bytes(block_hash).hex()[:16],

@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,20 +44,47 @@ _VERIFIER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kite-verify")
 
 
 def _check(data: bytes, block_hash: bytes, model_fingerprint: str, ru_key: bytes | None,
-           tenant_tag: str) -> recyclable_unit.RecyclableUnit | recyclable_unit.RUError:
+           tenant_tag: str, hash_threads: int | None = None
+           ) -> recyclable_unit.RecyclableUnit | recyclable_unit.RUError:
     """The unit if `data` is the intact unit asked for, else the reason it is not (pure: any thread)."""
     try:
         return recyclable_unit.decode(data, expected_hash=bytes(block_hash), expected_model=model_fingerprint,
-                                      key=ru_key, expected_tenant_tag=tenant_tag)
+                                      key=ru_key, expected_tenant_tag=tenant_tag, hash_threads=hash_threads)
     except recyclable_unit.RUError as exc:
         return exc
 
 
 def _check_all(values: list[bytes | None], block_hashes: list[bytes], model_fingerprint: str,
-               ru_key: bytes | None, tenant_tag: str
+               ru_key: bytes | None, tenant_tag: str, hash_threads: int | None = None
                ) -> list[recyclable_unit.RecyclableUnit | recyclable_unit.RUError | None]:
-    return [None if data is None else _check(data, h, model_fingerprint, ru_key, tenant_tag)
+    return [None if data is None else _check(data, h, model_fingerprint, ru_key, tenant_tag, hash_threads)
             for data, h in zip(values, block_hashes)]
+
+
+# Several units fetched together are verified a share per core, each unit on one thread: measured on this
+# 2-vCPU machine, 128 units of 369 KB verified at 4.3-7.2 GB/s in two halves on two threads against
+# 3.5-3.9 GB/s in one loop (and 3.0-3.2 with each hash split over both threads: BLAKE3's split does not
+# pay at this size). The caller's thread verifies the first share.
+_NUM_CORES = os.cpu_count() or 1
+_SHARE_VERIFIERS = ThreadPoolExecutor(max_workers=max(1, _NUM_CORES - 1), thread_name_prefix="kite-verify-share")
+
+
+def check_units(values: list[bytes | None], block_hashes: list[bytes], model_fingerprint: str,
+                ru_key: bytes | None, tenant_tag: str
+                ) -> list[recyclable_unit.RecyclableUnit | recyclable_unit.RUError | None]:
+    """Each of `values` verified as the unit of the block hash at its index (None stays None), on all
+    cores; blocks the calling thread until every share is done. Never call it from a share's thread."""
+    num_shares = min(len(values), _NUM_CORES)
+    if num_shares <= 1:
+        return _check_all(values, block_hashes, model_fingerprint, ru_key, tenant_tag)
+    bounds = [len(values) * i // num_shares for i in range(num_shares + 1)]
+    others = [_SHARE_VERIFIERS.submit(_check_all, values[a:b], block_hashes[a:b], model_fingerprint, ru_key,
+                                      tenant_tag, 1)
+              for a, b in zip(bounds[1:-1], bounds[2:])]
+    outcomes = _check_all(values[:bounds[1]], block_hashes[:bounds[1]], model_fingerprint, ru_key, tenant_tag, 1)
+    for share in others:
+        outcomes += share.result()
+    return outcomes
 
 
 def _describe(exc: BaseException) -> str:

@@ -18,6 +18,7 @@ one node that would own a model's tag.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from typing import NamedTuple
@@ -34,6 +35,7 @@ _TENANT = re.compile(rf"[0-9a-f]{{{TENANT_TAG_CHARS}}}")
 _HASH_HEX = re.compile(r"[0-9a-f]{64}")
 
 
+@functools.lru_cache(maxsize=256)  # a pool serves a few models; a 128-block read builds 128 keys of one
 def model_tag(model_fingerprint: str) -> str:
     """16 lowercase hex digits naming a model fingerprint in storage keys.
 

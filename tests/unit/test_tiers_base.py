@@ -1,0 +1,55 @@
+"""check_units: a batch verified a share per core gives each unit's own outcome, in order."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from kite_shared import recyclable_unit
+from kite_shared.recyclable_unit import RecyclableUnit, RUAuthError, RUChecksumError, RUKeyMismatchError
+from kite_shared.security import ANONYMOUS_TENANT_TAG
+from kite_shared.tiers import base
+from kite_shared.tiers.base import check_units
+
+KEY = b"k" * 32
+FP = "ab" * 32
+SHAPE = (2, 2, 1, 16, 4)
+
+
+def chain(n: int) -> list[tuple[bytes, bytes]]:
+    out, parent = [], b"\x00" * 32
+    for i in range(n):
+        h = hashlib.sha256(parent + bytes([i])).digest()
+        u = RecyclableUnit(block_hash=h, parent_hash=parent, model_fingerprint=FP, block_index=i, num_tokens=16,
+                           codec="fp16", shape=SHAPE, payload=bytes([i]) * (2 * 2 * 16 * 4 * 2))
+        out.append((h, u.encode(key=KEY)))
+        parent = h
+    return out
+
+
+@pytest.mark.parametrize("num_cores", [1, 2, 3])
+def test_each_outcome_is_its_own_units_in_order(monkeypatch, num_cores):
+    monkeypatch.setattr(base, "_NUM_CORES", num_cores)
+    blocks = chain(7)
+    hashes = [h for h, _ in blocks]
+    values: list = [data for _, data in blocks]
+    values[1] = None  # not read
+    damaged = bytearray(values[3])
+    damaged[-1] ^= 0xFF
+    values[3] = bytes(damaged)
+    values[5] = blocks[6][1]  # another block's unit at this index
+    values[6] = recyclable_unit.decode(blocks[6][1]).encode(key=b"x" * 32)  # signed under another key
+
+    outcomes = check_units(values, hashes, FP, KEY, ANONYMOUS_TENANT_TAG)
+
+    assert len(outcomes) == 7
+    assert [o.block_index for o in (outcomes[0], outcomes[2], outcomes[4])] == [0, 2, 4]
+    assert outcomes[1] is None
+    assert isinstance(outcomes[3], RUChecksumError)
+    assert isinstance(outcomes[5], RUKeyMismatchError)
+    assert isinstance(outcomes[6], RUAuthError)
+
+
+def test_an_empty_batch_is_empty():
+    assert check_units([], [], FP, KEY, ANONYMOUS_TENANT_TAG) == []
