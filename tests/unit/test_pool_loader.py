@@ -1,10 +1,14 @@
-"""The load-or-recompute cost model (pure): a slow tier must never make a hit slower than a miss."""
+"""The load-or-recompute cost model (pure): a slow tier must never make a hit slower than a miss; and
+the verification of a fetch's units, which loads a prefix up to its first gap."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from kite_worker.pool_loader import CostModel, TierEstimate
+from kite_shared.recyclable_unit import RecyclableUnit
+from kite_shared.security import ANONYMOUS_TENANT_TAG
+from kite_worker.pool_loader import CostModel, PoolLoader, TierEstimate
 
 BLOCK_BYTES = 368_640  # one SmolLM2 block in fp16
 
@@ -41,3 +45,24 @@ def test_recompute_time_is_the_fetch_deadline_scale():
     cost = model(0.003)
     assert cost.recompute_seconds(4) == pytest.approx(4 * 16 * 0.003)
     assert cost.fetch_seconds(b"ww") == pytest.approx(0.001 + 2 * BLOCK_BYTES / 200e6)
+
+
+def test_a_fetch_is_verified_up_to_its_first_miss():
+    key, fp, shape = b"k" * 32, "ab" * 32, (1, 2, 1, 16, 4)
+    units = [RecyclableUnit(block_hash=bytes([i]) * 32, parent_hash=bytes([i - 1 & 255]) * 32, model_fingerprint=fp,
+                            block_index=i, num_tokens=16, codec="fp16", shape=shape, payload=bytes(256))
+             for i in range(4)]
+    encoded = [u.encode(key=key) for u in units]
+    damaged = bytearray(encoded[3])
+    damaged[-1] ^= 0xFF
+    loader = PoolLoader(None, None, model(0.003), fp, shape, torch.float16, key)
+    hashes = [u.block_hash for u in units]
+
+    # Mapped bytes, a unit a tier client verified, a miss, then damaged bytes nothing will load.
+    verified = loader._verified(hashes, [encoded[0], units[1], None, bytes(damaged)], ANONYMOUS_TENANT_TAG, fp)
+    assert [u.block_index if u else None for u in verified] == [0, 1, None, None]
+    assert loader.num_rejected == 0
+
+    verified = loader._verified(hashes, [encoded[0], bytes(damaged)], ANONYMOUS_TENANT_TAG, fp)
+    assert [u.block_index if u else None for u in verified] == [0, None]
+    assert loader.num_rejected == 1

@@ -152,8 +152,7 @@ class TierIO:
         letters = bytearray()
         total = 0
         i = 0
-        tag = model_tag(model_fingerprint)
-        keys = [BlockKey(tag, bytes(h), tenant_tag) for h in hashes]
+        keys = [BlockKey.of(model_fingerprint, h, tenant_tag) for h in hashes]
         while i < len(hashes):
             key = keys[i]
             started = time.perf_counter()

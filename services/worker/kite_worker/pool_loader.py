@@ -241,11 +241,14 @@ class PoolLoader:
     def _verified(self, hashes: list[BlockHash], units: list[Buffer | RecyclableUnit | None], owner: str,
                   model_fingerprint: str) -> list[RecyclableUnit | None]:
         """`units` with the pool's encoded bytes verified here (all at once, on every core: `check_units`);
-        units read from tiers directly were verified by the tier client. None for a rejected unit."""
-        crossed = [i for i, found in enumerate(units) if found is not None and not isinstance(found, RecyclableUnit)]
+        units read from tiers directly were verified by the tier client. None for a rejected unit. Only
+        the units before the first miss are verified: a prefix loads up to its first gap."""
+        num_usable = next((i for i, found in enumerate(units) if found is None), len(units))
+        crossed = [i for i in range(num_usable) if not isinstance(units[i], RecyclableUnit)]
         outcomes = check_units([units[i] for i in crossed], [bytes(hashes[i]) for i in crossed],
                                model_fingerprint, self.mac_key, owner)
-        verified: list[RecyclableUnit | None] = [u if isinstance(u, RecyclableUnit) else None for u in units]
+        verified: list[RecyclableUnit | None] = [u if isinstance(u, RecyclableUnit) else None
+                                                 for u in units[:num_usable]] + [None] * (len(units) - num_usable)
         for i, outcome in zip(crossed, outcomes):
             if isinstance(outcome, RUError):
                 self.num_rejected += 1
