@@ -166,6 +166,31 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KITE_GATEWAY_TENANT_TOKEN_LIMITS", str, "", GATEWAY,
             "Per-tenant overrides of KITE_GATEWAY_TENANT_TOKENS_PER_MINUTE, `tenant=tokens,...` (0: no "
             "limit for that tenant)."),
+    Setting("KITE_SEMANTIC_CACHE_TENANTS", str, "", GATEWAY,
+            "Tenants whose requests may be answered from the semantic response cache (docs/architecture.md, "
+            "\"Semantic response cache\"), a comma list, or `*` for every tenant; a request still opts in "
+            "with `kite: {\"semantic_cache\": true}`. Empty: off, and the embedding model is never loaded. "
+            "Entries are kept in the warm tier's Redis (KITE_REDIS_URL), shared by the gateways."),
+    Setting("KITE_SEMANTIC_CACHE_DELTA", float, "0.02", GATEWAY,
+            "The error bound of the semantic cache: the share of cached answers that differ from what the "
+            "model would have answered, which the learned threshold keeps below (0 < delta < 1).",
+            minimum=0.0001),
+    Setting("KITE_SEMANTIC_CACHE_CONFIDENCE", float, "0.8", GATEWAY,
+            "Confidence of the bound's one-sided Wilson interval (0.5 <= confidence < 1): higher needs "
+            "more labelled answers before the first hit.", minimum=0.5),
+    Setting("KITE_SEMANTIC_CACHE_MIN_SIMILARITY", float, "0.5", GATEWAY,
+            "Below this cosine similarity to its nearest entry a request is a plain miss (not labelled).",
+            minimum=-1),
+    Setting("KITE_SEMANTIC_CACHE_MIN_OBSERVATIONS", int, "20", GATEWAY,
+            "Labelled answers needed above a threshold before it is used.", minimum=1),
+    Setting("KITE_SEMANTIC_CACHE_EXPLORE_FRACTION", float, "0.05", GATEWAY,
+            "Share of would-be hits computed anyway and compared with the cached answer, so that the "
+            "threshold keeps learning (0 <= fraction <= 1).", minimum=0),
+    Setting("KITE_SEMANTIC_CACHE_MAX_ENTRIES", int, "10000", GATEWAY,
+            "Entries per namespace (tenant, model fingerprint, conversation before the last message, "
+            "sampling parameters); the least recently used go first.", minimum=1),
+    Setting("KITE_SEMANTIC_CACHE_TTL_S", float, "86400", GATEWAY,
+            "Seconds a namespace's entries stay in Redis after its last new entry.", minimum=1),
     # --- worker ------------------------------------------------------------------------------------
     Setting("KITE_WORKER_NUM_THREADS", int, "0", WORKER,
             "torch intra-op threads; 0 keeps torch's default (one per core).", minimum=0),
@@ -263,14 +288,14 @@ SETTINGS: tuple[Setting, ...] = (
             "Leader lease of the ru-pool replicas (a JetStream key-value entry): only the holder runs the "
             "maintenance (lifecycle sweep, purges, warm resync); if it dies another replica takes over "
             "within this plus a third of it.", minimum=0.5),
-    Setting("KITE_REDIS_URL", str, "", ("ru-pool", "worker"),
+    Setting("KITE_REDIS_URL", str, "", ("ru-pool", "worker", "gateway"),
             "Redis URL of the warm tier (redis://host:port/db); empty turns the warm tier off. AUTH and "
             "TLS go in the URL: redis://user:password@host:port/db (URL-quote the password), rediss:// "
             "for TLS (never logged). TLS options are query parameters: ?ssl_ca_certs=/path/ca.pem for a "
             "private CA (the server certificate is always verified), plus ssl_certfile=...&ssl_keyfile=... "
             "when the server wants client certificates.",
             secret=True),
-    Setting("KITE_REDIS_CLUSTER", bool, "off", ("ru-pool", "worker"),
+    Setting("KITE_REDIS_CLUSTER", bool, "off", ("ru-pool", "worker", "gateway"),
             "The warm tier is a Redis Cluster: KITE_REDIS_URL names any one of its nodes (db 0), the client "
             "discovers the others and sends each key to the primary owning its slot. Off: a standalone "
             "(or primary/replica) Redis."),
@@ -280,7 +305,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KITE_COLD_TTL_S", float, "2592000", ("ru-pool", "worker"),
             "Cold blocks not hit for this many seconds are deleted by the ru-pool sweeper; 0 keeps "
             "them forever.", minimum=0),
-    Setting("KITE_TIER_TIMEOUT_S", float, "0.25", ("ru-pool", "worker"),
+    Setting("KITE_TIER_TIMEOUT_S", float, "0.25", ("ru-pool", "worker", "gateway"),
             "Per-operation timeout of the warm tier; a timeout marks the tier down (then retried "
             "with exponential backoff).", minimum=0.001),
     Setting("KITE_COLD_TIMEOUT_S", float, "5.0", ("ru-pool", "worker"),
@@ -520,11 +545,33 @@ class GatewayConfig:
     tenant_request_limits: str = env("KITE_GATEWAY_TENANT_REQUEST_LIMITS")
     tenant_tokens_per_minute: int = env("KITE_GATEWAY_TENANT_TOKENS_PER_MINUTE")
     tenant_token_limits: str = env("KITE_GATEWAY_TENANT_TOKEN_LIMITS")
+    semantic_cache_tenants: str = env("KITE_SEMANTIC_CACHE_TENANTS")
+    semantic_cache_delta: float = env("KITE_SEMANTIC_CACHE_DELTA")
+    semantic_cache_confidence: float = env("KITE_SEMANTIC_CACHE_CONFIDENCE")
+    semantic_cache_min_similarity: float = env("KITE_SEMANTIC_CACHE_MIN_SIMILARITY")
+    semantic_cache_min_observations: int = env("KITE_SEMANTIC_CACHE_MIN_OBSERVATIONS")
+    semantic_cache_explore_fraction: float = env("KITE_SEMANTIC_CACHE_EXPLORE_FRACTION")
+    semantic_cache_max_entries: int = env("KITE_SEMANTIC_CACHE_MAX_ENTRIES")
+    semantic_cache_ttl_s: float = env("KITE_SEMANTIC_CACHE_TTL_S")
+    redis_url: str = env("KITE_REDIS_URL")
+    redis_cluster: bool = env("KITE_REDIS_CLUSTER")
+    tier_timeout_s: float = env("KITE_TIER_TIMEOUT_S")
 
     def __post_init__(self) -> None:
         # Fail at startup, not on a tenant's first request.
         self.tenant_request_overrides()
         self.tenant_token_overrides()
+        if not 0 < self.semantic_cache_delta < 1 or not self.semantic_cache_confidence < 1 \
+                or self.semantic_cache_explore_fraction > 1:
+            raise ConfigError("KITE_SEMANTIC_CACHE_DELTA and _CONFIDENCE must be below 1, "
+                              "KITE_SEMANTIC_CACHE_EXPLORE_FRACTION at most 1")
+        if self.semantic_cache_tenant_set() and not self.redis_url:
+            raise ConfigError("KITE_SEMANTIC_CACHE_TENANTS needs KITE_REDIS_URL: the semantic cache keeps its "
+                              "entries in the warm tier's Redis, shared by the gateways")
+
+    def semantic_cache_tenant_set(self) -> frozenset[str]:
+        """KITE_SEMANTIC_CACHE_TENANTS as a set of tenant names ("*": every tenant; empty: the cache is off)."""
+        return frozenset(t.strip() for t in self.semantic_cache_tenants.split(",") if t.strip())
 
     def tenant_request_overrides(self) -> dict[str, int]:
         """KITE_GATEWAY_TENANT_REQUEST_LIMITS as {tenant name: requests per minute}."""

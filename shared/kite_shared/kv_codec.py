@@ -24,10 +24,11 @@ import math
 
 import torch
 
-from kite_shared.recyclable_unit import TORCH_DTYPE_TO_CODEC
+from kite_shared import recyclable_unit
+from kite_shared.recyclable_unit import LOSSY_CODECS, TORCH_DTYPE_TO_CODEC
 
 LOSSLESS = {codec: getattr(torch, dtype) for dtype, codec in TORCH_DTYPE_TO_CODEC.items()}  # codec -> torch dtype
-LOSSY = ("int8", "fp8_e4m3")
+LOSSY = LOSSY_CODECS
 CODECS = (*LOSSLESS, *LOSSY)
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _INT8_MAX = 127.0
@@ -46,13 +47,7 @@ def is_lossy(codec: str) -> bool:
 def payload_bytes(codec: str, shape: tuple[int, ...]) -> int:
     """Bytes of a payload of `shape` = (layers, 2, heads, tokens, head dim) under `codec`."""
     _known(codec)
-    layers, kv, heads, tokens, head_dim = _geometry(shape)
-    elements = math.prod(shape)
-    if codec in LOSSLESS:
-        return elements * LOSSLESS[codec].itemsize
-    if codec == "int8":
-        return elements + 2 * (layers * heads * head_dim + layers * heads * tokens)
-    return elements + 4 * layers * kv * heads
+    return recyclable_unit.payload_bytes(codec, _geometry(shape))
 
 
 def encode(block: torch.Tensor, codec: str) -> bytes:

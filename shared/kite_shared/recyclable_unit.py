@@ -15,7 +15,9 @@ cannot run code):
                  block_index       int      position of the block in its sequence (0-based)
                  num_tokens        int      tokens in the block (= block size; only full blocks are RUs)
                  created_at        float    unix seconds
-                 codec             str      "fp16" | "bf16" | "fp32": element type of the payload
+                 codec             str      "fp16" | "bf16" | "fp32": element type of the payload;
+                                            "int8" | "fp8_e4m3": a lossy payload (kite_shared.kv_codec),
+                                            8-bit elements followed by their scales
                  shape             [int]*5  [num_layers, 2 (key, value), num_kv_heads, num_tokens, head_dim]
                  checksum          bin(32)  BLAKE3-256 of the payload bytes
                  mac               bin(32) | nil   HMAC-SHA256 with the cluster key (see below); nil
@@ -71,8 +73,23 @@ MAX_HEADER_BYTES = 4096
 # threads against 3.5-3.9 on one; an 8 MiB unit (16 tokens of a 7B model) at 5.2-6.5 against 3.7-4.0.
 MULTITHREAD_HASH_BYTES = 1 << 20
 
-CODEC_ITEM_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+CODEC_ITEM_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}  # the lossless codecs: the elements as computed
 TORCH_DTYPE_TO_CODEC = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+LOSSY_CODECS = ("int8", "fp8_e4m3")  # kite_shared.kv_codec encodes and decodes them (torch)
+
+
+def payload_bytes(codec: str, shape: tuple[int, ...]) -> int:
+    """Bytes of a payload of `shape` = (layers, 2, heads, tokens, head dim) under `codec` (layouts in
+    kite_shared.kv_codec). Torch-free, so that the ru-pool checks a lossy unit's size as any other's."""
+    layers, _, heads, tokens, head_dim = shape
+    elements = math.prod(shape)
+    if codec in CODEC_ITEM_BYTES:
+        return elements * CODEC_ITEM_BYTES[codec]
+    if codec == "int8":  # fp16 scales: keys per (layer, head, channel), values per (layer, head, token)
+        return elements + 2 * (layers * heads * head_dim + layers * heads * tokens)
+    if codec == "fp8_e4m3":  # an fp32 scale per (layer, key/value, head)
+        return elements + 4 * layers * 2 * heads
+    raise RUFormatError(f"unknown codec {codec!r}")
 
 
 class RUError(ValueError):
@@ -158,7 +175,7 @@ class RecyclableUnit:
 
 
 def _check_geometry(codec: str, shape: tuple[int, ...], num_tokens: int, payload_len: int) -> None:
-    if codec not in CODEC_ITEM_BYTES:
+    if codec not in CODEC_ITEM_BYTES and codec not in LOSSY_CODECS:
         raise RUFormatError(f"unknown codec {codec!r}")
     if len(shape) != 5 or any(not isinstance(d, int) or d <= 0 for d in shape):
         raise RUFormatError(f"shape must be 5 positive ints, got {shape!r}")
@@ -166,7 +183,7 @@ def _check_geometry(codec: str, shape: tuple[int, ...], num_tokens: int, payload
         raise RUFormatError("shape[1] must be 2 (key and value)")
     if shape[3] != num_tokens:
         raise RUFormatError(f"shape says {shape[3]} tokens, header says {num_tokens}")
-    expected = math.prod(shape) * CODEC_ITEM_BYTES[codec]
+    expected = payload_bytes(codec, shape)
     if payload_len != expected:
         raise RUFormatError(f"payload is {payload_len} bytes, shape and codec need {expected}")
 

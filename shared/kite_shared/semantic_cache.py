@@ -2,7 +2,9 @@
 
 Pure: no I/O, no model. Callers embed prompts (kite_shared.embedder), keep entries where they are shared
 (the warm tier), and tell the core what a computed answer turned out to be. Events for the store are
-drained by the caller (`take_events()`).
+drained by the caller (`take_events()`); a replica (another gateway's copy of the same entries) takes the
+events others stored with `apply()`, which changes the state as the original operation did but queues
+nothing, so no event is stored twice.
 
 The algorithm, for one request whose answer is a function of its prompt (temperature 0, one model
 fingerprint, one set of sampling parameters: the `namespace`, which also holds the tenant, so nothing is
@@ -71,6 +73,7 @@ class CacheEntry:
     prompt: str  # the prompt text as embedded (the guard compares it with a request's)
     answer: str
     vector: np.ndarray  # unit-norm float32 embedding of `prompt`
+    details: dict = field(default_factory=dict)  # the caller's, stored with the answer (finish reason, usage)
     # Highest similarity at which a request near this entry had another answer (-inf: none seen). The
     # entry never answers a request at or below it.
     wrong_above: float = -math.inf
@@ -87,10 +90,13 @@ class Lookup:
 
 @dataclass(frozen=True)
 class CacheEvent:
-    """For the store: an entry added, or one whose threshold changed, or one evicted."""
+    """For the store: an entry added, one whose threshold changed, one evicted, or a labelled observation
+    (an explored request's similarity to `entry` and whether its answer was the same)."""
 
-    kind: Literal["inserted", "updated", "evicted"]
-    entry: CacheEntry
+    kind: Literal["inserted", "updated", "evicted", "observed"]
+    entry: CacheEntry | None  # None only for an observation read back from a store (it names no entry)
+    similarity: float = math.nan  # "observed" only
+    same_answer: bool = False  # "observed" only
 
 
 class Calibration:
@@ -190,28 +196,67 @@ class SemanticCache:
         if lookup.outcome != "explore" or lookup.entry is None:
             raise ValueError(f"only an explored lookup is labelled, not a {lookup.outcome}")
         self.calibration.observe(lookup.similarity, same_answer)
+        self._events.append(CacheEvent("observed", lookup.entry, lookup.similarity, same_answer))
         entry = lookup.entry
         if not same_answer and lookup.similarity > entry.wrong_above:
             entry.wrong_above = lookup.similarity
             self._events.append(CacheEvent("updated", entry))
 
-    def insert(self, namespace: Namespace, prompt: str, vector: np.ndarray, answer: str) -> CacheEntry:
+    def insert(self, namespace: Namespace, prompt: str, vector: np.ndarray, answer: str,
+               details: dict | None = None, entry_id: int | None = None) -> CacheEntry:
+        """A computed answer becomes an entry. `entry_id`: one the caller allocated where replicas share
+        entries (it must be unique across them); by default the next local one."""
+        if entry_id is None:
+            entry_id = self._next_id
+        elif self._find(namespace, entry_id) is not None:
+            raise ValueError(f"entry {entry_id} exists already")
+        entry = CacheEntry(entry_id, namespace, prompt, answer, unit(vector), dict(details or {}))
+        self._add(entry)
+        return entry
+
+    def apply(self, event: CacheEvent) -> None:
+        """Another replica's event: the same change, nothing queued. Idempotent (an entry already here is
+        kept, a threshold only rises), except "observed", which each replica must apply once."""
+        entry = event.entry
+        if event.kind == "observed":
+            self.calibration.observe(event.similarity, event.same_answer)
+        elif event.kind == "inserted":
+            if self._find(entry.namespace, entry.entry_id) is None:
+                self._add(entry, queue_events=False)
+        elif event.kind == "updated":
+            mine = self._find(entry.namespace, entry.entry_id)
+            if mine is not None:
+                mine.wrong_above = max(mine.wrong_above, entry.wrong_above)
+        elif event.kind == "evicted":
+            self._remove(entry.namespace, entry.entry_id)
+        else:
+            raise ValueError(f"unknown cache event {event.kind!r}")
+
+    def _add(self, entry: CacheEntry, queue_events: bool = True) -> None:
+        namespace = entry.namespace
         entries = self._entries.setdefault(namespace, OrderedDict())
-        entry = CacheEntry(self._next_id, namespace, prompt, answer, unit(vector))
         index = self._indexes.get(namespace)
         if index is None:
             index = self._indexes[namespace] = Index(ndim=entry.vector.shape[0], metric="ip", dtype="f32")
         elif entry.vector.shape[0] != index.ndim:
             raise ValueError(f"an embedding of {entry.vector.shape[0]} dimensions in an index of {index.ndim}")
-        self._next_id += 1
+        self._next_id = max(self._next_id, entry.entry_id + 1)
         entries[entry.entry_id] = entry
         index.add(entry.entry_id, entry.vector)
-        self._events.append(CacheEvent("inserted", entry))
+        if queue_events:
+            self._events.append(CacheEvent("inserted", entry))
         while len(entries) > self.max_entries:
             _, evicted = entries.popitem(last=False)
             index.remove(evicted.entry_id)
-            self._events.append(CacheEvent("evicted", evicted))
-        return entry
+            if queue_events:
+                self._events.append(CacheEvent("evicted", evicted))
+
+    def _find(self, namespace: Namespace, entry_id: int) -> CacheEntry | None:
+        return self._entries.get(namespace, {}).get(entry_id)
+
+    def _remove(self, namespace: Namespace, entry_id: int) -> None:
+        if self._entries.get(namespace, {}).pop(entry_id, None) is not None:
+            self._indexes[namespace].remove(entry_id)
 
     def take_events(self) -> list[CacheEvent]:
         events, self._events = self._events, []

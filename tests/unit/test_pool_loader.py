@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kite_shared import kv_codec, recyclable_unit
 from kite_shared.recyclable_unit import RecyclableUnit
 from kite_shared.security import ANONYMOUS_TENANT_TAG
 from kite_worker.pool_loader import CostModel, PoolLoader, TierEstimate
@@ -66,3 +67,20 @@ def test_a_fetch_is_verified_up_to_its_first_miss():
     verified = loader._verified(hashes, [encoded[0], bytes(damaged)], ANONYMOUS_TENANT_TAG, fp)
     assert [u.block_index if u else None for u in verified] == [0, None]
     assert loader.num_rejected == 1
+
+
+def test_a_lossy_unit_is_never_loaded_as_exact_kv():
+    fp, shape = "ab" * 32, (1, 2, 1, 16, 4)
+    block = torch.randn(shape)
+    loader = PoolLoader(None, None, model(0.003), fp, shape, torch.float16, None)
+
+    def unit(codec: str) -> RecyclableUnit:
+        return RecyclableUnit(block_hash=b"\x01" * 32, parent_hash=b"\x00" * 32, model_fingerprint=fp,
+                              block_index=0, num_tokens=16, codec=codec, shape=shape,
+                              payload=kv_codec.encode(block, codec))
+
+    assert torch.equal(loader._to_tensor(b"\x01" * 32, unit("fp16")), block.half())
+    for codec in kv_codec.LOSSY:  # a valid unit (the ru-pool stores it), but not the block that was computed
+        assert recyclable_unit.decode(unit(codec).encode(), expected_hash=b"\x01" * 32).codec == codec
+        assert loader._to_tensor(b"\x01" * 32, unit(codec)) is None
+    assert loader.num_rejected == 2

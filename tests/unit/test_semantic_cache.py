@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from kite_shared.semantic_cache import Calibration, Namespace, SemanticCache, differs_in_meaning
+from kite_shared.semantic_cache import CacheEvent, Calibration, Namespace, SemanticCache, differs_in_meaning
 
 ACME = Namespace("acme", "ab" * 32, "max_tokens=64")
 GLOBEX = Namespace("globex", "ab" * 32, "max_tokens=64")
@@ -95,7 +95,9 @@ def test_an_entry_that_misled_never_answers_at_that_similarity_again():
     cache.record(lookup, same_answer=False)
     cache.explore_fraction = 0.0
     assert entry.wrong_above == pytest.approx(0.97, abs=1e-6)
-    assert [(e.kind, e.entry.entry_id) for e in cache.take_events()] == [("updated", entry.entry_id)]
+    events = cache.take_events()
+    assert [(e.kind, e.entry.entry_id) for e in events] == [("observed", entry.entry_id), ("updated", entry.entry_id)]
+    assert (events[0].similarity, events[0].same_answer) == (pytest.approx(0.97, abs=1e-6), False)
     assert cache.calibration.threshold() == pytest.approx(0.9)  # 1 wrong of 41: the shared bound still holds
     assert cache.lookup(ACME, "What should I pack for a trip?", at(0.97)).outcome == "explore"
     assert cache.lookup(ACME, "What should I pack for a trip?", at(0.98)).outcome == "hit"
@@ -131,3 +133,30 @@ def test_only_explored_lookups_are_labelled_and_embeddings_must_be_vectors():
         cache.record(miss, True)
     with pytest.raises(ValueError, match="non-zero"):
         cache.insert(ACME, "x", np.zeros(3), "y")
+
+
+def test_a_replica_applying_the_events_decides_as_the_original_and_queues_nothing():
+    original = SemanticCache.create_simulated(delta=0.2, confidence=0.8, min_observations=5, explore_fraction=0.0)
+    replica = SemanticCache.create_simulated(delta=0.2, confidence=0.8, min_observations=5, explore_fraction=0.0)
+    entry = original.insert(ACME, "What is the capital of France?", E0, "Paris", details={"finish_reason": "stop"},
+                            entry_id=41)
+    for s in (0.99, 0.98, 0.97, 0.96, 0.95):
+        original.record(original.lookup(ACME, "Which city is the capital of France?", at(s)), same_answer=True)
+    original.record(original.lookup(ACME, "Which city is the capital of France?", at(0.94)), same_answer=False)
+    events = original.take_events()
+    assert [e.kind for e in events] == ["inserted"] + ["observed"] * 6 + ["updated"]
+    for event in events + events[:1] + events[-1:]:  # an insertion or an update seen twice changes nothing
+        replica.apply(event)
+    assert replica.take_events() == []
+    assert replica.num_entries(ACME) == 1 and replica.calibration.num_observations == 6
+    assert replica.calibration.threshold() == original.calibration.threshold() == pytest.approx(0.95, abs=1e-6)
+    assert replica.lookup(ACME, "", E0).entry.wrong_above == pytest.approx(0.94, abs=1e-6)
+    for s, outcome in ((0.93, "explore"), (0.945, "explore"), (0.96, "hit"), (0.98, "hit")):
+        mine, theirs = (c.lookup(ACME, "Which city is the capital of France?", at(s)) for c in (original, replica))
+        assert (mine.outcome, mine.entry.entry_id) == (theirs.outcome, theirs.entry.entry_id) == (outcome, 41)
+    assert replica.lookup(ACME, "Which city is the capital of France?", at(0.98)).entry.details == {"finish_reason": "stop"}
+    assert replica.insert(ACME, "A new question", at(0.1), "new").entry_id == 42  # ids continue past adopted ones
+    with pytest.raises(ValueError, match="exists"):
+        replica.insert(ACME, "again", E0, "x", entry_id=41)
+    replica.apply(CacheEvent("evicted", entry))
+    assert replica.num_entries(ACME) == 1 and replica.lookup(ACME, "What is the capital of France?", E0).entry.entry_id == 42

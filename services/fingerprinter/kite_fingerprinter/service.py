@@ -53,7 +53,8 @@ class FingerprinterService:
     async def start(self) -> None:
         self.rt.set_heartbeat_fields(lambda: {"model": self.core.model_name,
                                               "max_context_tokens": self.core.max_context_tokens,
-                                              "adapters": sorted(self.core.adapters)})
+                                              "adapters": sorted(self.core.adapters),
+                                              "model_fingerprints": self.model_fingerprints()})
         await self.rt.serve(
             Endpoint(subjects.FINGERPRINT, GenerateRequest.decode, self.admit, queue=subjects.FINGERPRINTER_QUEUE,
                      refuse=lambda error: Admission(accepted=False, error=error), span="kite.fingerprinter.admit"),
@@ -69,6 +70,14 @@ class FingerprinterService:
             await self._announce(name, adapter)
         if self.load_adapter is not None:  # and those `kite adapter load` added while this one was away
             await load_stored_adapters(self.rt.nc, self.core.adapters, self.adapter_admin)
+
+    def model_fingerprints(self) -> dict[str, str]:
+        """Each model id a request may name -> the fingerprint its blocks (and answers) are computed under."""
+        base = self.core.model_name
+        found = {base: self.core.identity.fingerprint_hex}
+        for name, adapter in self.core.adapters.items():
+            found[name] = found[f"{base}:{name}"] = adapter.identity.fingerprint_hex
+        return found
 
     async def _announce(self, name: str, adapter: Adapter | None) -> None:
         if adapter is not None:

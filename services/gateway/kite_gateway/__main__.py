@@ -19,6 +19,7 @@ from kite_gateway.fleet import Fleet
 from kite_gateway.generation import GenerationClient
 from kite_gateway.http_api import create_app
 from kite_gateway.rate_limit import TenantRateLimiter
+from kite_gateway.semantic import SemanticResponses
 
 log = logging.getLogger("kite_gateway")
 
@@ -48,7 +49,13 @@ async def start_gateway(rt: ServiceRuntime, cfg: GatewayConfig) -> GenerationCli
         log.info("authentication on: %d tenant(s)", len(authenticator.tenants))
     limiter = TenantRateLimiter.from_config(cfg)
     _log_rate_limits(cfg, authenticator)
-    app = create_app(lambda: client, cfg.model_name, cfg.max_n, cfg.max_body_bytes, authenticator, limiter)
+    semantic = SemanticResponses.from_config(cfg, fleet, origin=rt.instance_id)
+    if semantic is not None:
+        await semantic.start()  # the embedding model loads before the first request, not during it
+        log.info("semantic response cache on for tenant(s) %s (delta %.3g)",
+                 ",".join(sorted(semantic.tenants)), cfg.semantic_cache_delta)
+    app = create_app(lambda: client, cfg.model_name, cfg.max_n, cfg.max_body_bytes, authenticator, limiter,
+                     semantic)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.http_port, log_level="warning",
                                            access_log=False, lifespan="off"))
     http_task = asyncio.create_task(server.serve())
@@ -65,6 +72,8 @@ async def start_gateway(rt: ServiceRuntime, cfg: GatewayConfig) -> GenerationCli
         for stop in stoppers:
             await stop()
         await http_task
+        if semantic is not None:
+            await semantic.close()  # after the last response: its answer's write is awaited here
 
     rt.on_drain(drain)
     log.info("HTTP on http://%s:%d", cfg.host, cfg.http_port)

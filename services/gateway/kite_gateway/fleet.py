@@ -42,6 +42,12 @@ class Fleet:
                     models[adapter] = models[f"{beat.model}:{adapter}"] = beat.max_context_tokens
         return models
 
+    def model_fingerprint(self, model: str, now: float | None = None) -> str | None:
+        """The hex fingerprint live fingerprinters compute `model` under; None when none names it or they
+        disagree (a rolling update: answers of the old and the new model must not be mixed)."""
+        found = {beat.model_fingerprints.get(model) for beat in self.alive("fingerprinter", now)}
+        return found.pop() if len(found) == 1 else None
+
     def _forget_dead(self, now: float) -> None:
         # Keep dead entries a while (is_alive answers False for them), then drop them to bound memory.
         for key in [k for k, (seen, _) in self._last.items() if now - seen > 60 * self.dead_after_s]:

@@ -12,6 +12,12 @@ is on (401 `invalid_api_key` / `missing_api_key` otherwise, checked before the b
 Rate limits (`rate_limit.TenantRateLimiter`): a valid generation request of a tenant over its request or
 token rate gets 429 `rate_limit_exceeded` with Retry-After before any service is asked; admitted ones
 carry OpenAI's x-ratelimit-* headers. /openapi.json documents every error status with the error object.
+
+Semantic response cache (`semantic.SemanticResponses`, opt-in): a request sending
+`kite: {"semantic_cache": true}` is looked up after its rate permit and before any generation opens; a hit
+is answered from the entry (no service is asked, no token charged), any other outcome is computed and its
+answer learnt. Such a response says what the cache did: the `X-Kite-Semantic-Cache` header and the body's
+(a stream's first chunk's) `kite.semantic_cache` field.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from kite_gateway.normalize import chat_params, completion_params
 from kite_gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
                                           batch_usage_body, now, usage_body)
 from kite_gateway.rate_limit import Permit, TenantRateLimiter
+from kite_gateway.semantic import Consulted, SemanticResponses, bypass, counted
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +124,10 @@ def _generation_responses(auth_enabled: bool) -> dict:
                                  "text_completion), an error object if the stream fails after it began, "
                                  "or `[DONE]`"}}},
               "headers": {"X-Kite-Worker": _header("The worker instance(s) that served the request",
-                                                   kind="string"), **_RATE_HEADERS}},
+                                                   kind="string"),
+                          "X-Kite-Semantic-Cache": _header(
+                              "What the semantic response cache did (only when the request asked for it): "
+                              "hit, miss, explore, guarded or bypass", kind="string"), **_RATE_HEADERS}},
         400: _error("Invalid request: unparsable JSON, a bad or unsupported parameter, or a prompt plus "
                     "max_tokens beyond the context (`context_length_exceeded`)"),
         404: _error("The model does not exist (`model_not_found`)"),
@@ -138,7 +148,8 @@ def _generation_responses(auth_enabled: bool) -> dict:
 
 def create_app(client_factory: Callable[[], GenerationClient], model_name: str, max_n: int,
                max_body_bytes: int, authenticator: Authenticator | None = None,
-               rate_limiter: TenantRateLimiter | None = None) -> FastAPI:
+               rate_limiter: TenantRateLimiter | None = None,
+               semantic: SemanticResponses | None = None) -> FastAPI:
     app = FastAPI(title="KITE", version="1", docs_url=None, redoc_url=None)
     auth = authenticator or Authenticator.disabled()
     limiter = rate_limiter or TenantRateLimiter()
@@ -256,6 +267,21 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
             permit.refund()  # refused before any token was computed
             raise
 
+    async def consult(tenant: str, body, params: list[GenerationParams], kind: str) -> Consulted | None:
+        """The semantic cache's outcome for a request that asked for it (None: it did not)."""
+        if not body.kite.semantic_cache:
+            return None
+        if semantic is None:
+            return counted(bypass("the semantic cache is off in this deployment (KITE_SEMANTIC_CACHE_TENANTS)"))
+        first = params[0]
+        return await semantic.consult(tenant, first.model, kind, first.messages or [], first.prompt or "",
+                                      first.sampling, num_choices=len(params))
+
+    def learn(consulted: Consulted | None, results: list[tuple[str, StreamEnd]]) -> None:
+        if consulted is not None and semantic is not None and len(results) == 1:
+            text, end = results[0]
+            semantic.learn(consulted, text, {"finish_reason": end.finish_reason, "usage": usage_body([end])})
+
     async def generate(request: Request, permit: Permit, params: list[GenerationParams], id_prefix: str,
                        stream_events) -> Response | tuple[str, dict[str, str], list]:
         """Open every generation, then stream them (`stream_events(response id, generations, started)`
@@ -281,21 +307,25 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
         params = chat_params(body, tenant)
         permit = rate_permit(limiter, tenant, limiter.estimate_tokens(
             *prompt_size(params), max_tokens=body.resolved_max_tokens, choices=body.n))
+        consulted = await consult(tenant, body, [params] * body.n, "chat")
+        if consulted is not None and consulted.outcome == "hit":
+            return _cached_answer("chatcmpl", body, consulted, permit)
         answered = await generate(request, permit, [params] * body.n, "chatcmpl", body.stream and (
-            lambda response_id, generations, started: _chat_stream(response_id, body, generations, started,
-                                                                    permit)))
+            lambda response_id, generations, started: _chat_stream(
+                response_id, body, generations, started, permit, consulted, learn)))
         if isinstance(answered, Response):
-            return answered
+            return _with_report(answered, consulted)
         response_id, headers, results = answered
         usage = usage_body([end for _, end in results])
         permit.settle(usage["total_tokens"])
-        return JSONResponse({
+        learn(consulted, results)
+        return _with_report(JSONResponse({
             "id": response_id, "object": "chat.completion", "created": now(), "model": body.model,
             "choices": [{"index": i, "message": {"role": "assistant", "content": text},
                          "logprobs": None, "finish_reason": end.finish_reason}
                         for i, (text, end) in enumerate(results)],
-            "usage": usage,
-        }, headers=headers)
+            "usage": usage, **_report_field(consulted),
+        }, headers=headers), consulted)
 
     @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest, max_n, model_name),
               responses=generation_responses)
@@ -312,21 +342,25 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
             params += [one] * body.n
             tokens += limiter.estimate_tokens(*prompt_size(one), max_tokens=body.max_tokens, choices=body.n)
         permit = rate_permit(limiter, tenant, tokens)
+        consulted = await consult(tenant, body, params, "completion")
+        if consulted is not None and consulted.outcome == "hit":
+            return _cached_answer("cmpl", body, consulted, permit)
         answered = await generate(request, permit, params, "cmpl", body.stream and (
-            lambda response_id, generations, started: _completion_stream(response_id, body, generations,
-                                                                          started, permit)))
+            lambda response_id, generations, started: _completion_stream(
+                response_id, body, generations, started, permit, consulted, learn)))
         if isinstance(answered, Response):
-            return answered
+            return _with_report(answered, consulted)
         response_id, headers, results = answered
         ends = [end for _, end in results]
         usage = batch_usage_body([ends[i:i + body.n] for i in range(0, len(ends), body.n)])
         permit.settle(usage["total_tokens"])
-        return JSONResponse({
+        learn(consulted, results)
+        return _with_report(JSONResponse({
             "id": response_id, "object": "text_completion", "created": now(), "model": body.model,
             "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": end.finish_reason}
                         for i, (text, end) in enumerate(results)],
-            "usage": usage,
-        }, headers=headers)
+            "usage": usage, **_report_field(consulted),
+        }, headers=headers), consulted)
 
     if auth.enabled:
         _declare_bearer_auth(app)
@@ -438,21 +472,27 @@ async def _merged(generations: list[Generation]) -> AsyncIterator[tuple[int, Tok
 
 
 async def _stream_choices(kind: str, response_id: str, body, generations: list[Generation], started: float,
-                          permit: Permit, delta: Callable[[str], dict],
-                          first: Callable[[], dict] | None) -> AsyncIterator[dict]:
+                          permit: Permit, delta: Callable[[str], dict], first: Callable[[], dict] | None,
+                          consulted: Consulted | None, learn: Callable) -> AsyncIterator[dict]:
     created = now()
     usage_field = {"usage": None} if body.include_usage else {}
+    report = _report_field(consulted)  # in the first chunk only
 
     def chunk(choices: list[dict]) -> dict:
-        return {"id": response_id, "object": kind, "created": created, "model": body.model,
-                "choices": choices, **usage_field}
+        nonlocal report
+        out = {"id": response_id, "object": kind, "created": created, "model": body.model,
+               "choices": choices, **usage_field, **report}
+        report = {}
+        return out
 
     ends: list[StreamEnd] = [None] * len(generations)  # type: ignore[list-item]
+    texts: list[list[str]] = [[] for _ in generations]
     try:
         if first is not None:
             yield chunk([{"index": i, **first(), "logprobs": None, "finish_reason": None}
                          for i in range(len(generations))])
         async for index, event in _merged(generations):
+            texts[index].append(event.text)
             if isinstance(event, StreamEnd):
                 ends[index] = event
                 yield chunk([{"index": index, **delta(event.text), "logprobs": None,
@@ -463,6 +503,7 @@ async def _stream_choices(kind: str, response_id: str, body, generations: list[G
         n = getattr(body, "n", 1)
         usage = batch_usage_body([ends[i:i + n] for i in range(0, len(ends), n)])
         permit.settle(usage["total_tokens"])
+        learn(consulted, [("".join(parts), end) for parts, end in zip(texts, ends)])
         if body.include_usage:
             yield {"id": response_id, "object": kind, "created": created, "model": body.model, "choices": [],
                    "usage": usage}
@@ -474,13 +515,74 @@ async def _stream_choices(kind: str, response_id: str, body, generations: list[G
 
 
 def _chat_stream(response_id: str, body: ChatCompletionRequest, generations: list[Generation],
-                 started: float, permit: Permit) -> AsyncIterator[dict]:
+                 started: float, permit: Permit, consulted: Consulted | None, learn: Callable) -> AsyncIterator[dict]:
     return _stream_choices("chat.completion.chunk", response_id, body, generations, started, permit,
-                           delta=lambda text: {"delta": {"content": text} if text else {}},
-                           first=lambda: {"delta": {"role": "assistant", "content": ""}})
+                           delta=_chat_delta, first=_chat_first, consulted=consulted, learn=learn)
 
 
 def _completion_stream(response_id: str, body: CompletionRequest, generations: list[Generation],
-                       started: float, permit: Permit) -> AsyncIterator[dict]:
+                       started: float, permit: Permit, consulted: Consulted | None,
+                       learn: Callable) -> AsyncIterator[dict]:
     return _stream_choices("text_completion", response_id, body, generations, started, permit,
-                           delta=lambda text: {"text": text}, first=None)
+                           delta=_completion_delta, first=None, consulted=consulted, learn=learn)
+
+
+def _chat_delta(text: str) -> dict:
+    return {"delta": {"content": text} if text else {}}
+
+
+def _chat_first() -> dict:
+    return {"delta": {"role": "assistant", "content": ""}}
+
+
+def _completion_delta(text: str) -> dict:
+    return {"text": text}
+
+
+def _report_field(consulted: Consulted | None) -> dict:
+    """The body's extension field saying what the semantic cache did (nothing when it was not asked)."""
+    return {} if consulted is None else {"kite": {"semantic_cache": consulted.report()}}
+
+
+def _with_report(response: Response, consulted: Consulted | None) -> Response:
+    if consulted is not None:
+        response.headers["X-Kite-Semantic-Cache"] = consulted.outcome
+    return response
+
+
+def _cached_answer(id_prefix: str, body, consulted: Consulted, permit: Permit) -> Response:
+    """A hit: the entry's answer as the response a computation would have given (its usage is the one of
+    the computation that produced the answer; the tenant is charged no token)."""
+    entry = consulted.entry
+    permit.settle(0)
+    response_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    usage, finish_reason = entry.details["usage"], entry.details["finish_reason"]
+    chat = isinstance(body, ChatCompletionRequest)
+    if body.stream:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        created = now()
+        delta = _chat_delta if chat else _completion_delta
+
+        async def events() -> AsyncIterator[dict]:
+            base = {"id": response_id, "object": kind, "created": created, "model": body.model}
+            usage_field = {"usage": None} if body.include_usage else {}
+            choices = [{"index": 0, **delta(entry.answer), "logprobs": None, "finish_reason": finish_reason}]
+            if chat:
+                yield {**base, "choices": [{"index": 0, **_chat_first(), "logprobs": None, "finish_reason": None}],
+                       **usage_field, **_report_field(consulted)}
+                yield {**base, "choices": choices, **usage_field}
+            else:
+                yield {**base, "choices": choices, **usage_field, **_report_field(consulted)}
+            if body.include_usage:
+                yield {**base, "choices": [], "usage": usage}
+
+        return _with_report(_sse(events(), dict(permit.headers)), consulted)
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": entry.answer}, "logprobs": None,
+                  "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": entry.answer, "logprobs": None, "finish_reason": finish_reason}
+    return _with_report(JSONResponse({
+        "id": response_id, "object": "chat.completion" if chat else "text_completion", "created": now(),
+        "model": body.model, "choices": [choice], "usage": usage, **_report_field(consulted)},
+        headers=dict(permit.headers)), consulted)

@@ -8,6 +8,8 @@ Extension fields (send them with the openai client's `extra_body`):
     kite: {"reuse": false}   compute this request without Upcycle reuse (for comparisons)
     kite: {"ignore_eos": true}  keep generating past end-of-sequence, up to max_tokens
     kite: {"session_id": "..."} route the requests of one conversation to the same worker (its KV is there)
+    kite: {"semantic_cache": true}  may be answered from the semantic response cache (tenants enabled by
+                             KITE_SEMANTIC_CACHE_TENANTS; temperature 0, one choice): see http_api
     cache_salt: str          narrows KV sharing to requests carrying the same salt
 """
 
@@ -65,6 +67,7 @@ class KiteOptions(_Body):
     reuse: bool = True
     ignore_eos: bool = False  # generate exactly max_tokens tokens (benchmarks, tests)
     session_id: str = Field(default="", max_length=256)  # requests of one session go to one worker
+    semantic_cache: bool = False  # may be answered from the semantic response cache (opt-in)
 
 
 class TextPart(_Body):

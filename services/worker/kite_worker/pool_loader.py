@@ -260,6 +260,12 @@ class PoolLoader:
     def _to_tensor(self, block_hash: BlockHash, unit: RecyclableUnit | None) -> torch.Tensor | None:
         if unit is None:
             return None
+        if unit.codec not in kv_codec.LOSSLESS:
+            # A lossy unit is not the block that was computed; reuse must equal recomputation.
+            self.num_rejected += 1
+            log.warning("pool block %s is %s (lossy): this worker loads exact KV only", bytes(block_hash).hex()[:16],
+                        unit.codec)
+            return None
         if tuple(unit.shape) != tuple(self.block_shape):
             self.num_rejected += 1
             log.warning("pool block %s has shape %s, this worker needs %s", bytes(block_hash).hex()[:16],

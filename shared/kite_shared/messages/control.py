@@ -44,6 +44,9 @@ class Heartbeat(Message):
     model: str = ""  # worker and fingerprinter: the model id they serve
     max_context_tokens: int = 0  # worker and fingerprinter: the model's context window
     adapters: list[str] = Field(default_factory=list)  # worker and fingerprinter: the LoRA adapters served beside `model`
+    # fingerprinter: model id as requested (the base, each adapter by its name and as "<base>:<adapter>") ->
+    # hex model fingerprint (fingerprint.ModelIdentity): what the gateway's semantic cache keys answers by
+    model_fingerprints: dict[str, str] = Field(default_factory=dict)
     num_running: int = 0  # worker: requests generating now
     num_queued: int = 0  # worker: requests waiting for a slot
     draining: bool = False  # the process got SIGTERM and takes no new work

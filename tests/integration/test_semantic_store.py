@@ -1,0 +1,102 @@
+"""The semantic cache's shared store on a real redis-server: two gateways' replicas (SemanticResponses)
+see each other's entries and labels, never their own twice, and a Redis that is gone means `bypass`
+(computed), never a failed request. Embeddings come from a fixed table (the decisions, not the embedding
+model, are under test here; tests/integration/test_semantic_cache_stack.py runs the real one)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kite_cli.local_servers import free_port
+from kite_gateway.fleet import Fleet
+from kite_gateway.semantic import SemanticResponses
+from kite_shared.config import GatewayConfig, load
+from kite_shared.messages import ChatMessage, Heartbeat, SamplingParams
+
+MODEL_FP = "cd" * 32
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+VECTORS = {
+    "What is the capital of France?": [1.0, 0.0, 0.0],
+    "Which city is the capital of France?": [0.98, math.sqrt(1 - 0.98 ** 2), 0.0],
+    "Tell me a joke": [0.0, 0.0, 1.0],
+}
+
+
+def embed(texts: list[str]) -> np.ndarray:
+    return np.array([VECTORS[t] for t in texts], dtype=np.float32)
+
+
+def gateway(redis_url: str, name: str, **overrides) -> SemanticResponses:
+    cfg = load(GatewayConfig, {}, redis_url=redis_url, semantic_cache_tenants="acme",
+               semantic_cache_delta=0.5, semantic_cache_min_observations=1, semantic_cache_explore_fraction=0.0,
+               **overrides)
+    fleet = Fleet(dead_after_s=60)
+    fleet.observe(Heartbeat(service="fingerprinter", instance_id="f1", started_at=0, sent_at=0, model="m",
+                            model_fingerprints={"m": MODEL_FP}))
+    semantic = SemanticResponses.from_config(cfg, fleet, origin=name)
+    semantic.embed = embed
+    return semantic
+
+
+async def ask(semantic: SemanticResponses, question: str, tenant: str = "acme"):
+    return await semantic.consult(tenant, "m", "chat", [ChatMessage(role="user", content=question)], "", GREEDY, 1)
+
+
+async def learnt(semantic: SemanticResponses, consulted, answer: str) -> None:
+    semantic.learn(consulted, answer, {"finish_reason": "stop", "usage": {"completion_tokens": 2}})
+    await semantic.settled()
+
+
+async def test_two_gateways_share_entries_and_labels(redis_server):
+    await _flush(redis_server.url)
+    east, west = gateway(redis_server.url, "east"), gateway(redis_server.url, "west")
+    try:
+        miss = await ask(east, "What is the capital of France?")
+        assert miss.outcome == "miss"
+        await learnt(east, miss, "Paris.")
+        explored = await ask(west, "Which city is the capital of France?")  # east's entry, no threshold yet
+        assert explored.outcome == "explore" and explored.entry.answer == "Paris."
+        assert explored.lookup.similarity == pytest.approx(0.98, abs=1e-5)
+        await learnt(west, explored, "paris.")  # the same answer once case is normalised: a label
+        assert west._caches[MODEL_FP].num_entries(miss.namespace) == 1  # the same answer is not stored again
+
+        hit = await ask(east, "Which city is the capital of France?")  # east applied west's label
+        assert hit.outcome == "hit" and hit.entry.answer == "Paris." and hit.entry.details["finish_reason"] == "stop"
+        again = await ask(west, "Which city is the capital of France?")
+        assert again.outcome == "hit"
+        for replica in (east, west):  # the one label, applied once by each (west skips its own record)
+            assert replica._caches[MODEL_FP].calibration.num_observations == 1
+        assert (await ask(west, "Tell me a joke")).outcome == "miss"
+        other = await ask(west, "What is the capital of France?", tenant="globex")
+        assert other.outcome == "bypass" and "tenant" in other.reason
+
+        late = gateway(redis_server.url, "late")  # a gateway started later reads everything so far
+        try:
+            assert (await ask(late, "Which city is the capital of France?")).outcome == "hit"
+        finally:
+            await late.close()
+    finally:
+        await east.close()
+        await west.close()
+
+
+async def test_a_redis_that_is_gone_means_bypass_not_failure():
+    semantic = gateway(f"redis://127.0.0.1:{free_port()}", "lonely", tier_timeout_s=0.2)
+    try:
+        consulted = await ask(semantic, "What is the capital of France?")
+        assert consulted.outcome == "bypass" and "store" in consulted.reason
+        semantic.learn(consulted, "Paris", {})  # nothing to learn from a bypass
+        await semantic.settled()
+    finally:
+        await semantic.close()
+
+
+async def _flush(url: str) -> None:
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(url)
+    await client.flushdb()
+    await client.aclose()
