@@ -53,6 +53,7 @@ from kite_shared.security import ru_key
 from kite_shared.tiers.cold import S3Tier
 from kite_shared.tiers.keys import BlockKey
 from kite_shared.tiers.warm import RedisTier
+from kite_worker import codec_guard
 from kite_shared.config import ModelConfig, load
 from kite_shared.model_store import load_causal_lm, load_tokenizer, prepare
 
@@ -70,37 +71,6 @@ def prompts(tokenizer, count: int) -> list[list[int]]:
                                             tokenize=True)
         found.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     return found
-
-
-def through_codec(cache: DynamicCache, codec: str | None) -> DynamicCache:
-    """A copy of `cache` whose full blocks went through `codec` (None: as computed)."""
-    copy = DynamicCache()
-    for layer_idx, layer in enumerate(cache.layers):
-        keys, values = layer.keys.clone(), layer.values.clone()  # [1, heads, tokens, head dim]
-        if codec is not None:
-            num_full = keys.shape[2] // BLOCK * BLOCK
-            for start in range(0, num_full, BLOCK):
-                part = torch.stack([keys[:, :, start:start + BLOCK], values[:, :, start:start + BLOCK]], dim=1)
-                shape = tuple(part.shape)  # [1 layer, 2, heads, BLOCK, head dim]
-                decoded = kv_codec.decode(kv_codec.encode(part, codec), codec, shape, keys.dtype)
-                keys[:, :, start:start + BLOCK] = decoded[:, 0]
-                values[:, :, start:start + BLOCK] = decoded[:, 1]
-        copy.update(keys, values, layer_idx)
-    return copy
-
-
-@torch.inference_mode()
-def continue_greedily(model, cache: DynamicCache, last_token: int, num_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """(greedy tokens, log-probabilities of the first one's distribution)."""
-    token = torch.tensor([[last_token]])
-    generated, first = [], None
-    for _ in range(num_tokens):
-        logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits[0, -1].float()
-        if first is None:
-            first = torch.log_softmax(logits, dim=-1)
-        token = logits.argmax().view(1, 1)
-        generated.append(int(token))
-    return generated, first
 
 
 def full_blocks(cache: DynamicCache) -> list[torch.Tensor]:
@@ -236,24 +206,15 @@ def main() -> None:
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     block_shape = (hf.num_hidden_layers, 2, hf.num_key_value_heads, BLOCK, head_dim)
     codecs = ["fp16", "bf16", "int8", "fp8_e4m3"]
-    rows = {name: {"agreement": [], "identical": 0, "kl": []} for name in ["as computed → fp16"] + codecs[1:]}
     started = time.perf_counter()
     chosen = prompts(tokenizer, args.prompts)
     all_blocks: list[torch.Tensor] = []
     for ids in chosen:
         with torch.inference_mode():
-            cache = model(input_ids=torch.tensor([ids[:-1]]), use_cache=True).past_key_values
-        all_blocks += full_blocks(cache)
-        exact, exact_first = continue_greedily(model, through_codec(cache, None), ids[-1], args.tokens)
-        lossless, lossless_first = continue_greedily(model, through_codec(cache, "fp16"), ids[-1], args.tokens)
-        comparisons = [("as computed → fp16", exact, exact_first, lossless, lossless_first)]
-        for codec in codecs[1:]:
-            tokens, first = continue_greedily(model, through_codec(cache, codec), ids[-1], args.tokens)
-            comparisons.append((codec, lossless, lossless_first, tokens, first))
-        for name, reference, reference_first, tokens, first in comparisons:
-            rows[name]["agreement"].append(sum(a == b for a, b in zip(reference, tokens)) / len(reference))
-            rows[name]["identical"] += reference == tokens
-            rows[name]["kl"].append(float(torch.sum(reference_first.exp() * (reference_first - first))))
+            all_blocks += full_blocks(model(input_ids=torch.tensor([ids[:-1]]), use_cache=True).past_key_values)
+    # The worker's guard compares the same way (kite_worker.codec_guard), over its own prompts.
+    qualities = {"as computed → fp16": codec_guard.compare(model, chosen, None, ["fp16"], args.tokens, BLOCK)["fp16"],
+                 **codec_guard.compare(model, chosen, "fp16", codecs[1:], args.tokens, BLOCK)}
     lengths = [len(ids) for ids in chosen]
     print(f"{len(chosen)} prompts of {min(lengths)}-{max(lengths)} tokens, {args.tokens} greedy tokens each, "
           f"SmolLM2-135M-Instruct (transformers, {cfg.dtype}), {BLOCK}-token blocks; "
@@ -263,14 +224,12 @@ def main() -> None:
     fp16_bytes = kv_codec.payload_bytes("fp16", block_shape) / BLOCK
     print(f"{'fp16 (lossless)':20} {fp16_bytes:11,.0f} {1.0:8.2f}x")
     results = {}
-    for name, row in rows.items():
-        codec = "fp16" if name.startswith("as computed") else name
-        per_token = kv_codec.payload_bytes(codec, block_shape) / BLOCK
-        agreement = statistics.mean(row["agreement"])
-        results[name] = {"bytes_per_token": per_token, "agreement": agreement, "identical": row["identical"],
-                         "kl_mean": statistics.mean(row["kl"]), "kl_max": max(row["kl"])}
-        print(f"{name:20} {per_token:11,.0f} {fp16_bytes / per_token:8.2f}x {100 * agreement:9.1f}% "
-              f"{row['identical']:>4} of {len(chosen):<3} {statistics.mean(row['kl']):12.2e} / {max(row['kl']):.2e}")
+    for name, quality in qualities.items():
+        per_token = kv_codec.payload_bytes(quality.codec, block_shape) / BLOCK
+        results[name] = {"bytes_per_token": per_token, "agreement": quality.agreement,
+                         "identical": quality.num_identical, "kl_mean": quality.kl_mean, "kl_max": quality.kl_max}
+        print(f"{name:20} {per_token:11,.0f} {fp16_bytes / per_token:8.2f}x {100 * quality.agreement:9.1f}% "
+              f"{quality.num_identical:>4} of {len(chosen):<3} {quality.kl_mean:12.2e} / {quality.kl_max:.2e}")
     if not args.no_tiers:
         longest = max(chosen, key=len)
         with torch.inference_mode():

@@ -111,6 +111,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KITE_KV_STORAGE_DTYPE", str, "float16", MODEL_USERS,
             "dtype of stored KV blocks (float16, bfloat16 or float32); part of the execution-path "
             "fingerprint because it changes the reused KV values."),
+    Setting("KITE_KV_CODEC", str, "", MODEL_USERS,
+            "A lossy codec for every stored KV block: int8 (1.86x smaller than fp16) or fp8_e4m3 (1.99x); "
+            "empty (the default) stores blocks losslessly in KITE_KV_STORAGE_DTYPE. Opt-in: reused KV is then "
+            "not the computed KV, so greedy answers may differ from recomputation; lossy blocks are a "
+            "namespace of their own (the codec is in the execution-path fingerprint). A worker measures the "
+            "codec at start and refuses it below KITE_KV_CODEC_MIN_AGREEMENT."),
     Setting("KITE_ADAPTERS", str, "", MODEL_USERS,
             "LoRA adapters served beside the base, as name=/path/to/peft-folder pairs, comma-separated; "
             "clients name them as <name> or <base>:<name>. Each folder holds a kite-adapter.json "
@@ -212,6 +218,10 @@ SETTINGS: tuple[Setting, ...] = (
             "Fraction of cache hits a worker re-checks (shadow verification, docs/verification.md): it "
             "recomputes the prompt without reuse while idle and compares the first-token distributions; "
             "0 turns it off.", minimum=0.0),
+    Setting("KITE_KV_CODEC_MIN_AGREEMENT", float, "0.99", WORKER,
+            "The quality guard of a lossy KITE_KV_CODEC: at start the worker continues a fixed set of prompts "
+            "greedily from KV passed through the codec and from lossless KV, on the reference model; below this "
+            "share of equal tokens it refuses to start, saying the measured share.", minimum=0),
     Setting("KITE_SHADOW_KL_TOLERANCE", float, "0", WORKER,
             "KL divergence (nats) of the first token above which a shadow check counts as a divergence; 0 "
             "takes the default of the KV storage dtype (float32 1e-6, float16 1e-4, bfloat16 5e-3).",
@@ -501,6 +511,7 @@ class ModelConfig:
     dtype: str = env("KITE_MODEL_DTYPE")
     attn_impl: str = env("KITE_ATTN_IMPL")
     kv_storage_dtype: str = env("KITE_KV_STORAGE_DTYPE")
+    kv_codec: str = env("KITE_KV_CODEC")
     device_class: str = env("KITE_DEVICE_CLASS")
     adapters: str = env("KITE_ADAPTERS")
     max_lora_rank: int = env("KITE_MAX_LORA_RANK")
@@ -520,6 +531,8 @@ class ModelConfig:
         if self.kv_storage_dtype not in ("float16", "bfloat16", "float32"):
             raise ConfigError(
                 f"KITE_KV_STORAGE_DTYPE={self.kv_storage_dtype!r}: expected float16, bfloat16 or float32")
+        if self.kv_codec not in ("", "int8", "fp8_e4m3"):
+            raise ConfigError(f"KITE_KV_CODEC={self.kv_codec!r}: expected int8, fp8_e4m3 or empty (lossless)")
 
 
 @dataclass(frozen=True)
@@ -616,6 +629,7 @@ class WorkerConfig:
     pool_read: bool = env("KITE_WORKER_POOL_READ")
     shadow_fraction: float = env("KITE_SHADOW_FRACTION")
     shadow_kl_tolerance: float = env("KITE_SHADOW_KL_TOLERANCE")
+    kv_codec_min_agreement: float = env("KITE_KV_CODEC_MIN_AGREEMENT")
     shadow_chunk_tokens: int = env("KITE_SHADOW_CHUNK_TOKENS")
     shadow_idle_s: float = env("KITE_SHADOW_IDLE_S")
     vllm_kv_cache_gib: float = env("KITE_VLLM_KV_CACHE_GIB")

@@ -124,14 +124,21 @@ class ExecutionPathFingerprint:
     # and vLLM stores blocks in its own memory layout, so blocks of two engines must never meet.
     engine: str
     device_class: str  # "cpu-avx512", "cuda-sm90", ...: kernels (and so rounding) differ per class
+    # A lossy KV codec units are stored in ("int8", "fp8_e4m3"; kite_shared.kv_codec), "" for lossless:
+    # its blocks are not the computed ones, so they form a namespace of their own and are never taken for
+    # exact ones. Only a lossy codec is hashed, so every lossless root stays what it was.
+    kv_codec: str = ""
 
     def digest(self) -> bytes:
-        return hashlib.sha256(_EXEC_DOMAIN + encode_extra_keys([
+        keys: list[ExtraKey] = [
             ("attn_impl", self.attn_impl),
             ("kv_storage_dtype", self.kv_storage_dtype),
             ("engine", self.engine),
             ("device_class", self.device_class),
-        ])).digest()
+        ]
+        if self.kv_codec:
+            keys.append(("kv_codec", self.kv_codec))
+        return hashlib.sha256(_EXEC_DOMAIN + encode_extra_keys(keys)).digest()
 
 
 def root_hash(model: ModelFingerprint, execution: ExecutionPathFingerprint) -> BlockHash:

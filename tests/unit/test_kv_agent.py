@@ -4,6 +4,7 @@ LRU reuse of unpinned slots, and slots cleared under it at a quarantine."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import torch
 
@@ -138,3 +139,26 @@ def test_a_pending_fetch_answers_none_until_done_and_never_waits():
     assert seen == [4]
     PendingFetch(2, None, timeout_s=60).on_done(seen.append)  # all staged already
     assert seen == [4, 2]
+
+
+def test_a_saved_block_becomes_a_unit_of_the_configured_codec(tmp_path):
+    from kite_shared import kv_codec, recyclable_unit
+    from kite_worker.kv_agent import ConnectorOptions
+    from kite_worker.kv_plan import SavedBlockInfo
+
+    block = torch.randn(UNIT_SHAPE).half()
+    saved = tmp_path / "saved.bin"
+    info = SavedBlockInfo(block_hash=HASHES[0], parent_hash=BlockHash(b"\x00" * 32), block_index=0, tenant="acme",
+                          model_fingerprint="ab" * 32)
+    for codec in ("", "int8"):
+        kv = agent(tmp_path)
+        kv.options = dataclasses.replace(kv.options, kv_codec=codec)
+        saved.write_bytes(block.contiguous().view(torch.uint8).numpy().tobytes())
+        unit = recyclable_unit.decode(kv._encode(info, saved), expected_hash=bytes(HASHES[0]))
+        assert unit.codec == (codec or "fp16")
+        assert len(unit.payload) == kv_codec.payload_bytes(unit.codec, UNIT_SHAPE)
+        restored = kv_codec.decode(unit.payload, unit.codec, UNIT_SHAPE, torch.float32)
+        assert torch.allclose(restored, block.float(), atol=0 if not codec else float(block.abs().max()) / 100)
+    # The worker's front end hands the codec to the connector in vLLM's kv_connector_extra_config.
+    extra = ConnectorOptions.extra_config("ab" * 32, "w", tmp_path, "float16", True, True, 1 << 20, kv_codec="int8")
+    assert ConnectorOptions.from_extra_config(extra).kv_codec == "int8"

@@ -84,3 +84,23 @@ def test_a_lossy_unit_is_never_loaded_as_exact_kv():
         assert recyclable_unit.decode(unit(codec).encode(), expected_hash=b"\x01" * 32).codec == codec
         assert loader._to_tensor(b"\x01" * 32, unit(codec)) is None
     assert loader.num_rejected == 2
+
+
+def test_a_worker_that_chose_a_lossy_codec_loads_its_units_decoded_and_no_other_codec():
+    fp, shape = "ab" * 32, (1, 2, 1, 16, 4)
+    block = torch.randn(shape)
+    loader = PoolLoader(None, None, model(0.003), fp, shape, torch.float16, None, kv_codec="int8")
+
+    def unit(codec: str, payload: bytes | None = None) -> RecyclableUnit:
+        return RecyclableUnit(block_hash=b"\x01" * 32, parent_hash=b"\x00" * 32, model_fingerprint=fp,
+                              block_index=0, num_tokens=16, codec=codec, shape=shape,
+                              payload=payload if payload is not None else kv_codec.encode(block, codec))
+
+    loaded = loader._to_tensor(b"\x01" * 32, unit("int8"))
+    assert loaded.dtype == torch.float16 and loaded.shape == shape
+    assert torch.allclose(loaded.float(), block, atol=float(block.abs().max()) / 100)
+    assert loader._to_tensor(b"\x01" * 32, unit("fp8_e4m3")) is None  # another codec's namespace
+    bad_scales = bytearray(kv_codec.encode(block, "int8"))
+    bad_scales[-2:] = b"\x00\xfc"  # a value scale of -inf (fp16)
+    assert loader._to_tensor(b"\x01" * 32, unit("int8", bytes(bad_scales))) is None
+    assert loader.num_rejected == 2

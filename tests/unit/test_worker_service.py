@@ -106,7 +106,7 @@ async def worker() -> WorkerService:
                              decode_seconds_per_token=0.0,
                              block_cache=SimpleNamespace(num_bytes=0, capacity_bytes=1))
     loaded = LoadedModel(SimpleNamespace(name="m", max_context_tokens=64),
-                         SimpleNamespace(fingerprint_hex="ab" * 32), engine)
+                         SimpleNamespace(fingerprint_hex="ab" * 32, execution=SimpleNamespace(kv_codec="")), engine)
     service = WorkerService(rt, loaded, load(WorkerConfig, pool_read=False, pool_write=False, standby=False,
                                              shadow_fraction=0.0))  # its stand-in scheduler checks nothing
     service.scheduler = StandInScheduler()

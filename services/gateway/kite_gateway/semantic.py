@@ -215,6 +215,9 @@ class SemanticResponses:
         self.tenants = cfg.semantic_cache_tenant_set()
         self._caches: dict[str, SemanticCache] = {}  # by model fingerprint
         self._read_up_to: dict[str, str] = {}  # stream key -> last record id applied
+        # One read-and-apply at a time: two lookups reading from the same id would both apply an
+        # observation, and a calibration must count each label once.
+        self._reading = asyncio.Lock()
         self._embedding = ThreadPoolExecutor(1, thread_name_prefix="kite-embed")
         self._writes: set[asyncio.Task] = set()
 
@@ -289,8 +292,9 @@ class SemanticResponses:
                 return counted(bypass("the embedder failed"))
             cache = self._cache(model_fingerprint)
             try:
-                for event in await self.store.read(model_fingerprint, namespace, self._read_up_to):
-                    cache.apply(event)
+                async with self._reading:
+                    for event in await self.store.read(model_fingerprint, namespace, self._read_up_to):
+                        cache.apply(event)
             except (RedisError, OSError) as exc:
                 STORE_ERRORS.inc()
                 log.warning("the semantic cache's Redis cannot be read (%s); computing the request", exc)

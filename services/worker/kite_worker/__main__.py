@@ -9,15 +9,18 @@ no worker module imports this one.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from prometheus_client import start_http_server
 
 from kite_shared import adapters, model_store, subjects
 from kite_shared.adapter_store import load_stored_adapters
-from kite_shared.config import CommonConfig, ModelConfig, WorkerConfig, default_instance_id, load
+from kite_shared.config import CommonConfig, ConfigError, ModelConfig, WorkerConfig, default_instance_id, load
 from kite_shared.endpoints import Endpoint
 from kite_shared.messages import AdapterAdminRequest, Admission, Cancel, Decision, ErrorInfo, TokenizedRequest
 from kite_shared.service import ServiceRuntime, exit_on_signal_until_connected, run_service
+from kite_worker import codec_guard
 from kite_worker.block_cache import BlockCache
 from kite_worker.engine import Engine, EngineOptions
 from kite_worker.service import LoadedModel, WorkerService
@@ -31,6 +34,8 @@ def load_engine(model_cfg: ModelConfig, worker_cfg: WorkerConfig, instance_id: s
     model_store.check_worker_device(model_cfg)
     local = model_store.prepare(model_cfg)
     identity = model_store.identity(local, model_cfg)
+    if model_cfg.kv_codec:  # before the engine takes the memory: a refused codec never serves
+        codec_guard.check(local, model_cfg, worker_cfg.kv_codec_min_agreement)
     served_adapters = adapters.load_configured(model_cfg, local, identity)
     load_adapter = adapters.loader(model_cfg, local, identity)
     if model_cfg.engine == "vllm":
@@ -90,7 +95,10 @@ def main() -> None:
     model_cfg = load(ModelConfig)
     worker_cfg = load(WorkerConfig)
     instance_id = load(CommonConfig).instance_id or default_instance_id("worker")
-    loaded = load_engine(model_cfg, worker_cfg, instance_id)
+    try:
+        loaded = load_engine(model_cfg, worker_cfg, instance_id)
+    except ConfigError as exc:  # e.g. a KV codec its guard refused: the reason, not a traceback
+        sys.exit(f"worker: {exc}")
     if worker_cfg.metrics_port:
         start_http_server(worker_cfg.metrics_port, addr="0.0.0.0")
 

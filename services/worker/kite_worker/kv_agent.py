@@ -35,10 +35,11 @@ from typing import Any
 
 import torch
 
+from kite_shared import kv_codec
 from kite_shared.config import CommonConfig, TierConfig, load
 from kite_shared.endpoints import run_every
 from kite_shared.fingerprint import BlockHash
-from kite_shared.recyclable_unit import TORCH_DTYPE_TO_CODEC, RecyclableUnit
+from kite_shared.recyclable_unit import TORCH_DTYPE_TO_CODEC, RecyclableUnit, payload_bytes
 from kite_shared.security import ru_key, tenant_tag
 from kite_shared.service import connect_nats, nats_auth_options
 from kite_shared.tiers.client import TierClient
@@ -61,6 +62,7 @@ class AgentOptions:
     pool_read: bool
     pool_write: bool
     staging_bytes: int  # the staging arena's size: slots for staged loads (KITE_VLLM_STAGING_MIB)
+    kv_codec: str = ""  # KITE_KV_CODEC: units are saved and loaded through this lossy codec; "": as they are
     fetch_timeout_s: float = 5.0  # hard cap on top of the cost model's deadline
     save_wait_s: float = 10.0  # how long a planned save may take to appear before it is given up
 
@@ -76,20 +78,21 @@ class ConnectorOptions:
     pool_read: bool
     pool_write: bool
     staging_bytes: int  # the staging arena's size
+    kv_codec: str = ""  # KITE_KV_CODEC (lossy) or "" (lossless)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorOptions":
         return cls(model_fingerprint=extra["model_fingerprint"], worker_id=extra["worker_id"],
                    staging_dir=Path(extra["staging_dir"]), storage_dtype=getattr(torch, extra["storage_dtype"]),
                    pool_read=bool(extra["pool_read"]), pool_write=bool(extra["pool_write"]),
-                   staging_bytes=int(extra["staging_bytes"]))
+                   staging_bytes=int(extra["staging_bytes"]), kv_codec=str(extra.get("kv_codec", "")))
 
     @staticmethod
     def extra_config(model_fingerprint: str, worker_id: str, staging_dir: Path, storage_dtype: str,
-                     pool_read: bool, pool_write: bool, staging_bytes: int) -> dict[str, Any]:
+                     pool_read: bool, pool_write: bool, staging_bytes: int, kv_codec: str = "") -> dict[str, Any]:
         return {"model_fingerprint": model_fingerprint, "worker_id": worker_id, "staging_dir": str(staging_dir),
                 "storage_dtype": storage_dtype, "pool_read": pool_read, "pool_write": pool_write,
-                "staging_bytes": staging_bytes}
+                "staging_bytes": staging_bytes, "kv_codec": kv_codec}
 
 
 def kv_events_endpoint(worker_id: str) -> str:
@@ -106,7 +109,9 @@ class KVAgent:
         self.options = options
         self._ru_key = ru_key()  # once: ru_key() reads the configuration
         self.block_bytes = _numel(options.unit_shape) * torch.empty(0, dtype=options.storage_dtype).element_size()
-        self.cost = CostModel(options.block_size, self.block_bytes)
+        # What a unit weighs in a tier (a lossy codec's payload is smaller than the staged block).
+        codec = options.kv_codec or TORCH_DTYPE_TO_CODEC[str(options.storage_dtype).removeprefix("torch.")]
+        self.cost = CostModel(options.block_size, payload_bytes(codec, tuple(options.unit_shape)))
         options.staging_dir.mkdir(parents=True, exist_ok=True)
         self.arena = StagingArena.create(options.staging_dir / ARENA_FILE, self.block_bytes,
                                          max(1, options.staging_bytes // self.block_bytes))
@@ -145,7 +150,8 @@ class KVAgent:
             await tier_client.start()
         self.loader = PoolLoader(self.pool, tier_client, self.cost, self.options.model_fingerprint,
                                  self.options.unit_shape, self.options.storage_dtype, mac_key=self._ru_key,
-                                 staging_bytes=0)  # staging is the files below, not the loader's memory
+                                 staging_bytes=0,  # staging is the files below, not the loader's memory
+                                 kv_codec=self.options.kv_codec)
         self._announcements: asyncio.Queue[list[tuple[str, str, list[BlockHash]]]] = asyncio.Queue()
         self._announced_models: set[str] = set()  # model fingerprints (hex) with blocks announced stored
         # No service runtime in vLLM's process: the same periodic work that survives failures, ended with the loop.
@@ -329,6 +335,9 @@ class KVAgent:
         if len(payload) != self.block_bytes:
             raise OSError(f"{path.name}: {len(payload)} bytes, expected {self.block_bytes}")
         codec = TORCH_DTYPE_TO_CODEC[str(self.options.storage_dtype).removeprefix("torch.")]
+        if self.options.kv_codec:
+            block = torch.frombuffer(bytearray(payload), dtype=self.options.storage_dtype).view(self.options.unit_shape)
+            codec, payload = self.options.kv_codec, kv_codec.encode(block, self.options.kv_codec)
         return RecyclableUnit(
             block_hash=bytes(info.block_hash), parent_hash=bytes(info.parent_hash),
             model_fingerprint=info.model_fingerprint, block_index=info.block_index,

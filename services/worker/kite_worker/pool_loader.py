@@ -90,7 +90,7 @@ class CostModel:
 class PoolLoader:
     def __init__(self, pool, tier_client, cost: CostModel, model_fingerprint: str,
                  block_shape: tuple[int, ...], storage_dtype: torch.dtype, mac_key: bytes | None,
-                 staging_bytes: int = 64 << 20) -> None:
+                 staging_bytes: int = 64 << 20, kv_codec: str = "") -> None:
         self.pool = pool  # kite_shared.tiers.pool_client.PoolClient
         self.tier_client = tier_client  # kite_shared.tiers.client.TierClient | None
         self.cost = cost
@@ -99,6 +99,9 @@ class PoolLoader:
         self.storage_dtype = storage_dtype
         self.mac_key = mac_key  # cluster RU key: a unit without a valid MAC is never loaded
         self.staging_bytes = staging_bytes
+        # KITE_KV_CODEC: the lossy codec this worker's namespace stores (its fingerprint says so), or "":
+        # then only lossless units load.
+        self.kv_codec = kv_codec
         self._staged: OrderedDict[BlockHash, torch.Tensor] = OrderedDict()
         self._staged_bytes = 0
         self._lock = asyncio.Lock()
@@ -260,11 +263,12 @@ class PoolLoader:
     def _to_tensor(self, block_hash: BlockHash, unit: RecyclableUnit | None) -> torch.Tensor | None:
         if unit is None:
             return None
-        if unit.codec not in kv_codec.LOSSLESS:
-            # A lossy unit is not the block that was computed; reuse must equal recomputation.
+        if unit.codec not in kv_codec.LOSSLESS and unit.codec != self.kv_codec:
+            # A lossy unit is not the block that was computed: only a namespace that chose the codec
+            # (its fingerprint holds it) may load it.
             self.num_rejected += 1
-            log.warning("pool block %s is %s (lossy): this worker loads exact KV only", bytes(block_hash).hex()[:16],
-                        unit.codec)
+            log.warning("pool block %s is %s (lossy): this worker loads %s", bytes(block_hash).hex()[:16],
+                        unit.codec, self.kv_codec or "exact KV only")
             return None
         if tuple(unit.shape) != tuple(self.block_shape):
             self.num_rejected += 1
@@ -272,6 +276,13 @@ class PoolLoader:
                         unit.shape, self.block_shape)
             return None
         payload = unit.payload
+        if unit.codec in kv_codec.LOSSY:
+            try:
+                return kv_codec.decode(payload, unit.codec, tuple(unit.shape), self.storage_dtype)
+            except kv_codec.CodecError as exc:  # a valid MAC over bad scales: a writer's bug, still a miss
+                self.num_rejected += 1
+                log.warning("pool block %s does not decode: %s", bytes(block_hash).hex()[:16], exc)
+                return None
         if not isinstance(payload, memoryview) or payload.readonly:
             # Bytes that arrived in a NATS reply or a tier read: torch needs writable memory of its own.
             # (A mapped hand-off file is writable copy-on-write memory already: used as it is.)

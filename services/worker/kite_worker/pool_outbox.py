@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import queue
 
-import torch
 from prometheus_client import Counter
 
+from kite_shared import kv_codec
 from kite_shared.recyclable_unit import TORCH_DTYPE_TO_CODEC, RecyclableUnit
 from kite_shared.security import ru_key
 from kite_shared.tiers.pool_client import PoolClient
@@ -34,10 +34,11 @@ _POLL_S = 0.25  # a thread waits this long for a block: never longer, so shutdow
 
 class PoolOutbox:
     def __init__(self, pool: PoolClient, writes: WritePolicyFilter, enabled: bool,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, kv_codec: str = "") -> None:
         self.pool = pool
         self.writes = writes
         self.enabled = enabled  # KITE_WORKER_POOL_WRITE
+        self.kv_codec = kv_codec  # KITE_KV_CODEC: lossy units, or "" for the blocks as they are
         self._ru_key = ru_key()  # once: ru_key() reads the configuration
         self._loop = loop
         self._blocks: queue.Queue[NewBlock] = queue.Queue(maxsize=POOL_OUTBOX_BLOCKS)
@@ -92,16 +93,17 @@ class PoolOutbox:
             await asyncio.sleep(0.05)
 
     def encode_block(self, block: NewBlock) -> bytes:
-        return encode_block(block, self._ru_key)
+        return encode_block(block, self._ru_key, self.kv_codec)
 
 
-def encode_block(block: NewBlock, key: bytes) -> bytes:
-    """A block as the recyclable unit the pool stores, signed with the cluster's RU key."""
+def encode_block(block: NewBlock, key: bytes, lossy_codec: str = "") -> bytes:
+    """A block as the recyclable unit the pool stores, signed with the cluster's RU key: its elements as
+    they are, or through `lossy_codec` (KITE_KV_CODEC)."""
     kv = block.kv
+    codec = lossy_codec or TORCH_DTYPE_TO_CODEC[str(kv.dtype).removeprefix("torch.")]
     return RecyclableUnit(
         block_hash=bytes(block.block_hash), parent_hash=bytes(block.parent_hash),
         model_fingerprint=block.model_fingerprint, block_index=block.block_index,
-        num_tokens=kv.shape[3], codec=TORCH_DTYPE_TO_CODEC[str(kv.dtype).removeprefix("torch.")],
-        shape=tuple(kv.shape), payload=kv.contiguous().view(torch.uint8).numpy().tobytes(),
+        num_tokens=kv.shape[3], codec=codec, shape=tuple(kv.shape), payload=kv_codec.encode(kv, codec),
         tenant_tag=block.tenant_tag,
     ).encode(key=key)

@@ -25,7 +25,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import nats.errors
-import torch
 from nats.aio.subscription import Subscription
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
@@ -38,6 +37,7 @@ from kite_shared.config import TierConfig, WorkerConfig, load
 from kite_shared.endpoints import Endpoint, Refusal
 from kite_shared.messages import (AdapterAdminReply, AdapterAdminRequest, Admission, Cancel, ErrorInfo, Message,
                                   ShadowCheckResult, StreamEnd, StreamError, TokenizedRequest)
+from kite_shared.recyclable_unit import TORCH_DTYPE_TO_CODEC, payload_bytes
 from kite_shared.security import ru_key
 from kite_shared.service import ServiceRuntime, nats_auth_options
 from kite_shared.tiers.client import TierClient
@@ -97,7 +97,8 @@ class WorkerService:
         self.writes = WritePolicyFilter(cfg.write_policy)
         # A TLS block stream is verified like NATS: with the cluster's CA (KITE_NATS_TLS_CA).
         self.pool = PoolClient(rt.nc, worker_id=rt.instance_id, stream_ssl=nats_auth_options(rt.common).get("tls"))
-        self.outbox = PoolOutbox(self.pool, self.writes, cfg.pool_write, self.loop)
+        self.outbox = PoolOutbox(self.pool, self.writes, cfg.pool_write, self.loop,
+                                 kv_codec=loaded.identity.execution.kv_codec)
         shadow = None
         if cfg.shadow_fraction > 0 and loaded.engine.options.reuse:
             shadow = ShadowVerifier.for_storage_dtype(cfg.shadow_fraction, loaded.identity.execution.kv_storage_dtype,
@@ -147,13 +148,11 @@ class WorkerService:
         engine = self.loaded.engine
         layout = self.loaded.identity.model.layout
         shape = (layout.num_layers, 2, layout.num_kv_heads, layout.block_size, layout.head_dim)
-        block_bytes = 1
-        for dim in shape:
-            block_bytes *= dim
-        block_bytes *= torch.empty(0, dtype=engine.options.storage_dtype).element_size()
-        return PoolLoader(self.pool, self.tier_client, CostModel(layout.block_size, block_bytes),
+        codec = self.loaded.identity.execution.kv_codec or \
+            TORCH_DTYPE_TO_CODEC[str(engine.options.storage_dtype).removeprefix("torch.")]
+        return PoolLoader(self.pool, self.tier_client, CostModel(layout.block_size, payload_bytes(codec, shape)),
                           self.loaded.identity.fingerprint_hex, shape, engine.options.storage_dtype,
-                          mac_key=ru_key())
+                          mac_key=ru_key(), kv_codec=self.loaded.identity.execution.kv_codec)
 
     @property
     def pool_read(self) -> bool:

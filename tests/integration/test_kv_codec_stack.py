@@ -1,0 +1,56 @@
+"""A lossy KV codec (KITE_KV_CODEC) with real processes, the real model and a real redis-server:
+
+- at the default floor (99% greedy agreement) a worker measures int8 and refuses to start, saying the
+  measured share;
+- with the floor lowered, a stack stores int8 units under a fingerprint of their own (the codec is in
+  the execution path: never the lossless namespace), and a worker that never computed a prompt loads its
+  prefix from the pool through the codec.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import redis
+
+from kite_shared import model_store, recyclable_unit
+from kite_shared.config import ModelConfig, load
+from tests.integration.test_pool_reuse import cached, chat, replace_worker, wait_for_warm_blocks
+
+
+def test_a_codec_below_the_agreement_floor_is_refused_at_start():
+    env = {**os.environ, "KITE_ENGINE": "transformers", "KITE_KV_CODEC": "int8",
+           "KITE_NATS_URL": "nats://127.0.0.1:1"}  # never reached: the guard runs before the engine starts
+    env.pop("KITE_KV_CODEC_MIN_AGREEMENT", None)
+    worker = subprocess.run([sys.executable, "-m", "kite_worker"], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert worker.returncode != 0
+    measured = re.search(r"KV codec int8: (\d+\.\d)% of greedy tokens equal to lossless fp16", worker.stderr)
+    assert measured, worker.stderr[-2000:]
+    assert float(measured.group(1)) < 99.0 and "below KITE_KV_CODEC_MIN_AGREEMENT=0.99" in worker.stderr
+
+
+def test_lossy_units_live_in_their_own_namespace_and_load_through_the_codec(fresh_stack_factory):
+    stack = fresh_stack_factory(num_workers=1, env={"KITE_KV_CODEC": "int8", "KITE_KV_CODEC_MIN_AGREEMENT": "0.5"})
+    assert stack.redis is not None, "this test needs redis-server installed"
+    assert "KV codec int8:" in stack.tail(stack.workers()[0], 200_000)  # the guard measured it and let it pass
+    first = chat(stack, "Which block does the pool keep first?")
+    assert cached(first) == 0
+    wait_for_warm_blocks(stack, minimum=first["usage"]["prompt_tokens"] // 16)
+
+    cfg = load(ModelConfig, {"KITE_ENGINE": "transformers", "KITE_KV_CODEC": "int8"})
+    local = model_store.prepare(cfg)
+    lossy = model_store.identity(local, cfg).fingerprint_hex
+    lossless = model_store.identity(local, load(ModelConfig, {"KITE_ENGINE": "transformers"})).fingerprint_hex
+    warm = redis.Redis.from_url(stack.redis.url)
+    units = [recyclable_unit.decode(warm.get(name)) for name in warm.scan_iter("kite:ru:*")]
+    assert units and {u.codec for u in units} == {"int8"}
+    assert {u.model_fingerprint for u in units} == {lossy} and lossy != lossless
+
+    replace_worker(stack)  # a worker that never computed the prompt: its prefix comes from the pool
+    second = chat(stack, "Which block does the pool keep last?")
+    assert cached(second) >= 16 * 10
+    assert second["choices"][0]["message"]["content"]  # a lossy prefix still answers (not necessarily alike)
