@@ -51,37 +51,58 @@ async def learnt(semantic: SemanticResponses, consulted, answer: str) -> None:
     await semantic.settled()
 
 
-async def test_two_gateways_share_entries_and_labels(redis_server):
-    await _flush(redis_server.url)
-    east, west = gateway(redis_server.url, "east"), gateway(redis_server.url, "west")
-    try:
-        miss = await ask(east, "What is the capital of France?")
-        assert miss.outcome == "miss"
-        await learnt(east, miss, "Paris.")
-        explored = await ask(west, "Which city is the capital of France?")  # east's entry, no threshold yet
-        assert explored.outcome == "explore" and explored.entry.answer == "Paris."
-        assert explored.lookup.similarity == pytest.approx(0.98, abs=1e-5)
-        await learnt(west, explored, "paris.")  # the same answer once case is normalised: a label
-        assert west._caches[MODEL_FP].num_entries(miss.namespace) == 1  # the same answer is not stored again
+@pytest.fixture()
+async def gateways(redis_server):
+    """Opens gateways (SemanticResponses) on one emptied Redis; closes them after the test."""
+    import redis.asyncio as aioredis
 
-        hit = await ask(east, "Which city is the capital of France?")  # east applied west's label
-        assert hit.outcome == "hit" and hit.entry.answer == "Paris." and hit.entry.details["finish_reason"] == "stop"
-        again = await ask(west, "Which city is the capital of France?")
-        assert again.outcome == "hit"
-        for replica in (east, west):  # the one label, applied once by each (west skips its own record)
-            assert replica._caches[MODEL_FP].calibration.num_observations == 1
-        assert (await ask(west, "Tell me a joke")).outcome == "miss"
-        other = await ask(west, "What is the capital of France?", tenant="globex")
-        assert other.outcome == "bypass" and "tenant" in other.reason
+    client = aioredis.Redis.from_url(redis_server.url)
+    await client.flushdb()
+    await client.aclose()
+    opened: list[SemanticResponses] = []
 
-        late = gateway(redis_server.url, "late")  # a gateway started later reads everything so far
-        try:
-            assert (await ask(late, "Which city is the capital of France?")).outcome == "hit"
-        finally:
-            await late.close()
-    finally:
-        await east.close()
-        await west.close()
+    def open_gateway(name: str) -> SemanticResponses:
+        opened.append(gateway(redis_server.url, name))
+        return opened[-1]
+
+    yield open_gateway
+    for semantic in opened:
+        await semantic.close()
+
+
+def replica(semantic: SemanticResponses):
+    return semantic.cache_for(MODEL_FP)
+
+
+async def test_two_gateways_share_entries_and_labels(gateways):
+    east, west = gateways("east"), gateways("west")
+    miss = await ask(east, "What is the capital of France?")
+    assert miss.outcome == "miss"
+    await learnt(east, miss, "Paris.")
+    explored = await ask(west, "Which city is the capital of France?")  # east's entry, no threshold yet
+    assert explored.outcome == "explore" and explored.entry.answer == "Paris."
+    assert explored.lookup.similarity == pytest.approx(0.98, abs=1e-5)
+    await learnt(west, explored, "paris.")  # the same answer once case is normalised: a label
+    assert replica(west).num_entries(miss.namespace) == 1  # the same answer is not stored again
+
+    hit = await ask(east, "Which city is the capital of France?")  # east applied west's label
+    assert hit.outcome == "hit" and hit.entry.answer == "Paris." and hit.entry.details["finish_reason"] == "stop"
+    assert (await ask(west, "Which city is the capital of France?")).outcome == "hit"
+    for semantic in (east, west):  # the one label, applied once by each (west skips its own record)
+        assert replica(semantic).calibration.num_observations == 1
+    assert (await ask(west, "Tell me a joke")).outcome == "miss"
+    other = await ask(west, "What is the capital of France?", tenant="globex")
+    assert other.outcome == "bypass" and "tenant" in other.reason
+    late = gateways("late")  # a gateway started later reads everything so far
+    assert (await ask(late, "Which city is the capital of France?")).outcome == "hit"
+
+
+async def test_concurrent_lookups_apply_each_label_once(gateways):
+    east, west = gateways("east"), gateways("west")
+    await learnt(east, await ask(east, "What is the capital of France?"), "Paris.")
+    await learnt(west, await ask(west, "Which city is the capital of France?"), "Paris.")
+    await asyncio.gather(*(ask(east, "Tell me a joke") for _ in range(8)))  # all read the same label
+    assert replica(east).calibration.num_observations == 1
 
 
 async def test_a_redis_that_is_gone_means_bypass_not_failure():
@@ -93,26 +114,3 @@ async def test_a_redis_that_is_gone_means_bypass_not_failure():
         await semantic.settled()
     finally:
         await semantic.close()
-
-
-async def _flush(url: str) -> None:
-    import redis.asyncio as aioredis
-
-    client = aioredis.Redis.from_url(url)
-    await client.flushdb()
-    await client.aclose()
-
-
-async def test_concurrent_lookups_apply_each_label_once(redis_server):
-    await _flush(redis_server.url)
-    east, west = gateway(redis_server.url, "east"), gateway(redis_server.url, "west")
-    try:
-        miss = await ask(east, "What is the capital of France?")
-        await learnt(east, miss, "Paris.")
-        explored = await ask(west, "Which city is the capital of France?")
-        await learnt(west, explored, "Paris.")
-        await asyncio.gather(*(ask(east, "Tell me a joke") for _ in range(8)))  # all read the same label
-        assert east._caches[MODEL_FP].calibration.num_observations == 1
-    finally:
-        await east.close()
-        await west.close()

@@ -251,7 +251,8 @@ class SemanticResponses:
     def enabled_for(self, tenant: str) -> bool:
         return "*" in self.tenants or tenant in self.tenants
 
-    def _cache(self, model_fingerprint: str) -> SemanticCache:
+    def cache_for(self, model_fingerprint: str) -> SemanticCache:
+        """This gateway's replica of one model's entries and calibration."""
         cache = self._caches.get(model_fingerprint)
         if cache is None:
             cfg = self.cfg
@@ -290,7 +291,7 @@ class SemanticResponses:
             except Exception:
                 log.exception("the semantic cache's embedder failed; computing the request")
                 return counted(bypass("the embedder failed"))
-            cache = self._cache(model_fingerprint)
+            cache = self.cache_for(model_fingerprint)
             try:
                 async with self._reading:
                     for event in await self.store.read(model_fingerprint, namespace, self._read_up_to):
@@ -313,7 +314,7 @@ class SemanticResponses:
         task.add_done_callback(self._writes.discard)
 
     async def _learn(self, consulted: Consulted, answer: str, details: dict) -> None:
-        cache = self._cache(consulted.model_fingerprint)
+        cache = self.cache_for(consulted.model_fingerprint)
         add = True
         if consulted.outcome == "explore":
             same = same_answer(answer, consulted.entry.answer)
