@@ -7,6 +7,7 @@ it never depends on, or disturbs, servers already running on the machine.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -22,10 +23,37 @@ class ServerStartError(RuntimeError):
     pass
 
 
+_PORTS_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port free now, for a server started later. Chosen below the kernel's ephemeral range: a port
+    taken from that range (bind to port 0, then closed) can be handed by the kernel to anything that binds
+    port 0 or connects out before the server starts, and a stack's health check then met another
+    service's protocol on the gateway's port (a CI run failed so, with BadStatusLine)."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(10_000, low)
+        if port in _PORTS_HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_HANDED_OUT.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default; other systems start theirs higher
+    return max(low, 10_001)
 
 
 def find_binary(name: str) -> str | None:
