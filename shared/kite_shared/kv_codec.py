@@ -39,6 +39,11 @@ class CodecError(ValueError):
     """A payload that does not decode under its codec (unknown codec, wrong length, bad scales)."""
 
 
+def unit_codec(storage_dtype: torch.dtype, lossy_codec: str = "") -> str:
+    """The codec a worker's units are stored in: its lossy codec (KITE_KV_CODEC), else the storage dtype's."""
+    return lossy_codec or TORCH_DTYPE_TO_CODEC[str(storage_dtype).removeprefix("torch.")]
+
+
 def is_lossy(codec: str) -> bool:
     _known(codec)
     return codec in LOSSY

@@ -48,13 +48,12 @@ import numpy as np
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Histogram
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from kite_shared.config import GatewayConfig
 from kite_shared.messages import ChatMessage, SamplingParams
 from kite_shared.semantic_cache import CacheEntry, CacheEvent, Lookup, Namespace, SemanticCache
+from kite_shared.tiers.warm import redis_client
 from kite_gateway.fleet import Fleet
 
 log = logging.getLogger(__name__)
@@ -228,9 +227,7 @@ class SemanticResponses:
             return None
         from kite_shared.embedder import Embedder
 
-        client_cls = RedisCluster if cfg.redis_cluster else aioredis.Redis
-        redis = client_cls.from_url(cfg.redis_url, socket_timeout=cfg.tier_timeout_s,
-                                    socket_connect_timeout=max(cfg.tier_timeout_s, 0.5), retry=Retry(NoBackoff(), 0))
+        redis = redis_client(cfg.redis_url, cfg.redis_cluster, cfg.tier_timeout_s, max(cfg.tier_timeout_s, 0.5))
         store = SemanticStore(redis, origin, cfg.semantic_cache_ttl_s, cfg.semantic_cache_max_entries)
         return cls(cfg, fleet, store, Embedder().embed)
 

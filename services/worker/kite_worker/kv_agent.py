@@ -39,7 +39,7 @@ from kite_shared import kv_codec
 from kite_shared.config import CommonConfig, TierConfig, load
 from kite_shared.endpoints import run_every
 from kite_shared.fingerprint import BlockHash
-from kite_shared.recyclable_unit import TORCH_DTYPE_TO_CODEC, RecyclableUnit, payload_bytes
+from kite_shared.recyclable_unit import RecyclableUnit, payload_bytes
 from kite_shared.security import ru_key, tenant_tag
 from kite_shared.service import connect_nats, nats_auth_options
 from kite_shared.tiers.client import TierClient
@@ -110,8 +110,7 @@ class KVAgent:
         self._ru_key = ru_key()  # once: ru_key() reads the configuration
         self.block_bytes = _numel(options.unit_shape) * torch.empty(0, dtype=options.storage_dtype).element_size()
         # What a unit weighs in a tier (a lossy codec's payload is smaller than the staged block).
-        codec = options.kv_codec or TORCH_DTYPE_TO_CODEC[str(options.storage_dtype).removeprefix("torch.")]
-        self.cost = CostModel(options.block_size, payload_bytes(codec, tuple(options.unit_shape)))
+        self.cost = CostModel(options.block_size, payload_bytes(self.unit_codec, tuple(options.unit_shape)))
         options.staging_dir.mkdir(parents=True, exist_ok=True)
         self.arena = StagingArena.create(options.staging_dir / ARENA_FILE, self.block_bytes,
                                          max(1, options.staging_bytes // self.block_bytes))
@@ -330,18 +329,22 @@ class KVAgent:
         self.num_blocks_published += len(stored)
         log.debug("%d of %d saved blocks handed to the ru-pool", len(stored), len(infos))
 
+    @property
+    def unit_codec(self) -> str:
+        """What saved units are stored in: KITE_KV_CODEC, or the storage dtype's lossless codec."""
+        return kv_codec.unit_codec(self.options.storage_dtype, self.options.kv_codec)
+
     def _encode(self, info: SavedBlockInfo, path: Path) -> bytes:
         payload = path.read_bytes()
         if len(payload) != self.block_bytes:
             raise OSError(f"{path.name}: {len(payload)} bytes, expected {self.block_bytes}")
-        codec = TORCH_DTYPE_TO_CODEC[str(self.options.storage_dtype).removeprefix("torch.")]
         if self.options.kv_codec:
             block = torch.frombuffer(bytearray(payload), dtype=self.options.storage_dtype).view(self.options.unit_shape)
-            codec, payload = self.options.kv_codec, kv_codec.encode(block, self.options.kv_codec)
+            payload = kv_codec.encode(block, self.options.kv_codec)
         return RecyclableUnit(
             block_hash=bytes(info.block_hash), parent_hash=bytes(info.parent_hash),
             model_fingerprint=info.model_fingerprint, block_index=info.block_index,
-            num_tokens=self.options.block_size, codec=codec, shape=tuple(self.options.unit_shape),
+            num_tokens=self.options.block_size, codec=self.unit_codec, shape=tuple(self.options.unit_shape),
             payload=payload, tenant_tag=tenant_tag(info.tenant),
         ).encode(key=self._ru_key)
 

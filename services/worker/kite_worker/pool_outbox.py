@@ -18,7 +18,7 @@ import queue
 from prometheus_client import Counter
 
 from kite_shared import kv_codec
-from kite_shared.recyclable_unit import TORCH_DTYPE_TO_CODEC, RecyclableUnit
+from kite_shared.recyclable_unit import RecyclableUnit
 from kite_shared.security import ru_key
 from kite_shared.tiers.pool_client import PoolClient
 from kite_worker.block_cache import CacheEvent
@@ -100,7 +100,7 @@ def encode_block(block: NewBlock, key: bytes, lossy_codec: str = "") -> bytes:
     """A block as the recyclable unit the pool stores, signed with the cluster's RU key: its elements as
     they are, or through `lossy_codec` (KITE_KV_CODEC)."""
     kv = block.kv
-    codec = lossy_codec or TORCH_DTYPE_TO_CODEC[str(kv.dtype).removeprefix("torch.")]
+    codec = kv_codec.unit_codec(kv.dtype, lossy_codec)
     return RecyclableUnit(
         block_hash=bytes(block.block_hash), parent_hash=bytes(block.parent_hash),
         model_fingerprint=block.model_fingerprint, block_index=block.block_index,

@@ -31,13 +31,13 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from typing import Callable
 
-from kite_shared import adapters, model_store, subjects
+from kite_shared import adapters, kv_codec, model_store, subjects
 from kite_shared.adapters import Adapter, AdapterRefused
 from kite_shared.config import TierConfig, WorkerConfig, load
 from kite_shared.endpoints import Endpoint, Refusal
 from kite_shared.messages import (AdapterAdminReply, AdapterAdminRequest, Admission, Cancel, ErrorInfo, Message,
                                   ShadowCheckResult, StreamEnd, StreamError, TokenizedRequest)
-from kite_shared.recyclable_unit import TORCH_DTYPE_TO_CODEC, payload_bytes
+from kite_shared.recyclable_unit import payload_bytes
 from kite_shared.security import ru_key
 from kite_shared.service import ServiceRuntime, nats_auth_options
 from kite_shared.tiers.client import TierClient
@@ -148,8 +148,7 @@ class WorkerService:
         engine = self.loaded.engine
         layout = self.loaded.identity.model.layout
         shape = (layout.num_layers, 2, layout.num_kv_heads, layout.block_size, layout.head_dim)
-        codec = self.loaded.identity.execution.kv_codec or \
-            TORCH_DTYPE_TO_CODEC[str(engine.options.storage_dtype).removeprefix("torch.")]
+        codec = kv_codec.unit_codec(engine.options.storage_dtype, self.loaded.identity.execution.kv_codec)
         return PoolLoader(self.pool, self.tier_client, CostModel(layout.block_size, payload_bytes(codec, shape)),
                           self.loaded.identity.fingerprint_hex, shape, engine.options.storage_dtype,
                           mac_key=ru_key(), kv_codec=self.loaded.identity.execution.kv_codec)

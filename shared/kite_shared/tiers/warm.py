@@ -46,6 +46,17 @@ class _ClusterCursor(NamedTuple):
     node_cursor: int
 
 
+def redis_client(url: str, cluster: bool, socket_timeout_s: float, connect_timeout_s: float,
+                 max_connections: int = 64) -> aioredis.Redis | RedisCluster:
+    """A client of KITE_REDIS_URL (AUTH and TLS in the URL) that never retries: its caller's timeout and
+    backoff decide, and redis-py's retries would only stretch a failure. Cluster: the URL is a seed node
+    (db 0 only), max_connections is per node, and MOVED/ASK redirects are still followed (routing, not
+    retries)."""
+    client_cls = RedisCluster if cluster else aioredis.Redis
+    return client_cls.from_url(url, socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s,
+                               retry=Retry(NoBackoff(), 0), max_connections=max_connections)
+
+
 class RedisTier(RemoteTier):
     name = "warm"
 
@@ -57,14 +68,9 @@ class RedisTier(RemoteTier):
         self.ttl_s = max(1, int(round(ttl_s)))
         self.scan_count = scan_count
         self.cluster = cluster
-        # The tier's own timeout and backoff decide; redis-py's retries would only stretch a failure.
-        # Cluster: the URL is a seed node (db 0 only); max_connections is per node; MOVED/ASK redirects
-        # are still followed (they are routing, not retries).
         self._refreshing: set[asyncio.Task] = set()  # expiry refreshes after batched reads (_read_batches)
-        client_cls = RedisCluster if cluster else aioredis.Redis
-        self._redis: aioredis.Redis | RedisCluster = client_cls.from_url(
-            url, socket_timeout=max(timeout_s, 1.0), socket_connect_timeout=max(timeout_s, 0.5),
-            retry=Retry(NoBackoff(), 0), max_connections=max_connections)
+        # The socket timeout is a backstop: the tier's own timeout (`_op`) ends a slow operation first.
+        self._redis = redis_client(url, cluster, max(timeout_s, 1.0), max(timeout_s, 0.5), max_connections)
 
     async def close(self) -> None:
         # Let the expiry refreshes in flight finish on the connection, for at most the tier's timeout: a
