@@ -25,6 +25,10 @@ fingerprint of its own per codec, as a lossy namespace would have) and is read b
   (no reuse) on the same model in the same round. In-process, on the reference engine: the services'
   hops, the same for every codec, are not in it.
 
+Then the pool's transcoding (a codec per tier: KITE_KV_CODEC_COLD=int8 under lossless hot and warm): every
+block as an fp16 unit, transcoded the way the ru-pool does when it archives it (`kv_codec.transcode`: verify,
+re-encode, sign), one unit at a time on one thread; and the worker's decode of the result.
+
     .venv/bin/python bench/bench_kv_codecs.py [--prompts 12] [--tokens 32] [--rounds 3] [--no-tiers] [--json PATH]
 """
 
@@ -47,13 +51,13 @@ from transformers import DynamicCache
 
 from kite_cli.bench import workloads
 from kite_cli.local_servers import free_port, start_redis, wait_for_port
-from kite_shared import kv_codec
+from kite_shared import kv_codec, recyclable_unit
 from kite_shared.recyclable_unit import RecyclableUnit
 from kite_shared.security import ru_key
 from kite_shared.tiers.cold import S3Tier
 from kite_shared.tiers.keys import BlockKey
 from kite_shared.tiers.warm import RedisTier
-from kite_worker import codec_guard
+from kite_worker import codec_guard, codec_tensors
 from kite_shared.config import ModelConfig, load
 from kite_shared.model_store import load_causal_lm, load_tokenizer, prepare
 
@@ -88,7 +92,7 @@ def units_of(blocks: list[torch.Tensor], codec: str, fp: str, key: bytes) -> lis
         block_hash = hashlib.sha256(parent + fp.encode() + index.to_bytes(8, "big")).digest()
         unit = RecyclableUnit(block_hash=block_hash, parent_hash=parent, model_fingerprint=fp, block_index=index,
                               num_tokens=BLOCK, codec=codec, shape=tuple(block.shape),
-                              payload=kv_codec.encode(block, codec))
+                              payload=codec_tensors.encode(block, codec))
         out.append((block_hash, unit.encode(key=key)))
         parent = block_hash
     return out
@@ -97,7 +101,7 @@ def units_of(blocks: list[torch.Tensor], codec: str, fp: str, key: bytes) -> lis
 def decoded(found, dtype: torch.dtype) -> list[torch.Tensor]:
     if any(f is None for f in found):
         raise SystemExit("a unit was not read back: the benchmark is invalid")
-    return [kv_codec.decode(unit.payload, unit.codec, unit.shape, dtype) for unit, _ in found]
+    return [codec_tensors.decode(unit.payload, unit.codec, unit.shape, dtype) for unit, _ in found]
 
 
 @torch.inference_mode()
@@ -191,6 +195,27 @@ async def measure_tiers(model, codecs: list[str], blocks: list[torch.Tensor], tt
     return results
 
 
+def measure_transcoding(blocks: list[torch.Tensor], codecs: list[str], key: bytes) -> dict:
+    """Per lossy codec: median ms per unit of the pool's transcoding from fp16, and of decoding the result."""
+    fp = hashlib.sha256(b"codec-bench/transcode").hexdigest()
+    exact = units_of(blocks, "fp16", fp, key)
+    results = {}
+    for codec in codecs:
+        transcode_s, decode_s = [], []
+        for _, data in exact:
+            started = time.perf_counter()
+            lossy = kv_codec.transcode(data, codec, key)
+            transcode_s.append(time.perf_counter() - started)
+            unit = recyclable_unit.decode(lossy, key=key)
+            started = time.perf_counter()
+            codec_tensors.decode(unit.payload, codec, unit.shape, torch.float32)
+            decode_s.append(time.perf_counter() - started)
+        results[codec] = {"transcode_ms": 1e3 * statistics.median(transcode_s),
+                          "decode_ms": 1e3 * statistics.median(decode_s),
+                          "unit_bytes": len(lossy), "fp16_unit_bytes": len(exact[0][1])}
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=12)
@@ -230,6 +255,13 @@ def main() -> None:
                          "identical": quality.num_identical, "kl_mean": quality.kl_mean, "kl_max": quality.kl_max}
         print(f"{name:20} {per_token:11,.0f} {fp16_bytes / per_token:8.2f}x {100 * quality.agreement:9.1f}% "
               f"{quality.num_identical:>4} of {len(chosen):<3} {quality.kl_mean:12.2e} / {quality.kl_max:.2e}")
+    transcoding = measure_transcoding(all_blocks, codecs[2:], ru_key())
+    print(f"\nthe pool's transcoding of an fp16 unit ({transcoding['int8']['fp16_unit_bytes']:,} bytes) on its way to "
+          f"a lossy tier, one thread; the worker's decode of the result (medians over {len(all_blocks)} blocks)")
+    print(f"{'codec':10} {'unit bytes':>11} {'transcode ms':>13} {'decode ms':>10}")
+    for codec, t in transcoding.items():
+        print(f"{codec:10} {t['unit_bytes']:11,} {t['transcode_ms']:13.2f} {t['decode_ms']:10.2f}")
+        results[codec] = {**results.get(codec, {}), "transcoding": t}
     if not args.no_tiers:
         longest = max(chosen, key=len)
         with torch.inference_mode():

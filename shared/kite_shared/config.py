@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
+from kite_shared.tier_codecs import LOSSY_CODECS, TierCodecs, TierCodecsError
+
 
 class ConfigError(ValueError):
     """A variable holds a value that cannot be parsed or is out of range."""
@@ -117,6 +119,16 @@ SETTINGS: tuple[Setting, ...] = (
             "not the computed KV, so greedy answers may differ from recomputation; lossy blocks are a "
             "namespace of their own (the codec is in the execution-path fingerprint). A worker measures the "
             "codec at start and refuses it below KITE_KV_CODEC_MIN_AGREEMENT."),
+    Setting("KITE_KV_CODEC_WARM", str, "", MODEL_USERS,
+            "The codec the warm tier (Redis) stores KV blocks in, when it differs from KITE_KV_CODEC: int8 or "
+            "fp8_e4m3 below a lossless KITE_KV_CODEC (the ru-pool transcodes each unit on its way to warm; "
+            "every unit says its tiers' codecs under its MAC). Empty (the default): as KITE_KV_CODEC. A tier "
+            "is as lossy as the one above it or, below a lossless one, lossy. A lossy tier puts the "
+            "namespace's blocks in a namespace of their own, and the worker's guard measures the codec."),
+    Setting("KITE_KV_CODEC_COLD", str, "", MODEL_USERS,
+            "The codec the cold tier (S3 or a folder) stores KV blocks in: int8 or fp8_e4m3 below lossless "
+            "warm units, for example lossless hot and warm with int8 cold (half the cold bytes). Empty (the "
+            "default): as the warm tier. Same rules as KITE_KV_CODEC_WARM."),
     Setting("KITE_ADAPTERS", str, "", MODEL_USERS,
             "LoRA adapters served beside the base, as name=/path/to/peft-folder pairs, comma-separated; "
             "clients name them as <name> or <base>:<name>. Each folder holds a kite-adapter.json "
@@ -512,6 +524,8 @@ class ModelConfig:
     attn_impl: str = env("KITE_ATTN_IMPL")
     kv_storage_dtype: str = env("KITE_KV_STORAGE_DTYPE")
     kv_codec: str = env("KITE_KV_CODEC")
+    kv_codec_warm: str = env("KITE_KV_CODEC_WARM")
+    kv_codec_cold: str = env("KITE_KV_CODEC_COLD")
     device_class: str = env("KITE_DEVICE_CLASS")
     adapters: str = env("KITE_ADAPTERS")
     max_lora_rank: int = env("KITE_MAX_LORA_RANK")
@@ -531,8 +545,20 @@ class ModelConfig:
         if self.kv_storage_dtype not in ("float16", "bfloat16", "float32"):
             raise ConfigError(
                 f"KITE_KV_STORAGE_DTYPE={self.kv_storage_dtype!r}: expected float16, bfloat16 or float32")
-        if self.kv_codec not in ("", "int8", "fp8_e4m3"):
-            raise ConfigError(f"KITE_KV_CODEC={self.kv_codec!r}: expected int8, fp8_e4m3 or empty (lossless)")
+        for name, codec in (("KITE_KV_CODEC", self.kv_codec), ("KITE_KV_CODEC_WARM", self.kv_codec_warm),
+                            ("KITE_KV_CODEC_COLD", self.kv_codec_cold)):
+            if codec not in ("", *LOSSY_CODECS):
+                raise ConfigError(f"{name}={codec!r}: expected {', '.join(LOSSY_CODECS)} or empty")
+        try:
+            self.tier_codecs
+        except TierCodecsError as exc:
+            raise ConfigError(f"KITE_KV_CODEC={self.kv_codec!r}, KITE_KV_CODEC_WARM={self.kv_codec_warm!r}, "
+                              f"KITE_KV_CODEC_COLD={self.kv_codec_cold!r}: {exc}") from None
+
+    @property
+    def tier_codecs(self) -> TierCodecs:
+        """The codec each tier stores this model's KV blocks in."""
+        return TierCodecs.from_settings(self.kv_codec, self.kv_codec_warm, self.kv_codec_cold)
 
 
 @dataclass(frozen=True)

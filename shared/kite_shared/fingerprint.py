@@ -28,6 +28,8 @@ from typing import NewType, Sequence
 
 import numpy as np
 
+from kite_shared.tier_codecs import TierCodecs
+
 BlockHash = NewType("BlockHash", bytes)  # 32-byte SHA-256 digest
 BLOCK_HASH_BYTES = 32
 
@@ -124,10 +126,15 @@ class ExecutionPathFingerprint:
     # and vLLM stores blocks in its own memory layout, so blocks of two engines must never meet.
     engine: str
     device_class: str  # "cpu-avx512", "cuda-sm90", ...: kernels (and so rounding) differ per class
-    # A lossy KV codec units are stored in ("int8", "fp8_e4m3"; kite_shared.kv_codec), "" for lossless:
-    # its blocks are not the computed ones, so they form a namespace of their own and are never taken for
-    # exact ones. Only a lossy codec is hashed, so every lossless root stays what it was.
+    # The lossy KV codecs units are stored in, per tier (kite_shared.tier_codecs.TierCodecs.fingerprint:
+    # "int8" for every tier, "hot=exact,warm=exact,cold=int8", ...), "" when every tier is lossless: lossy
+    # blocks are not the computed ones, so they form a namespace of their own and are never taken for
+    # exact ones. Only a lossy policy is hashed, so every lossless root stays what it was.
     kv_codec: str = ""
+
+    @property
+    def tier_codecs(self) -> TierCodecs:
+        return TierCodecs.from_fingerprint(self.kv_codec)
 
     def digest(self) -> bytes:
         keys: list[ExtraKey] = [

@@ -133,11 +133,11 @@ def execution_path(cfg: ModelConfig) -> ExecutionPathFingerprint:
         return ExecutionPathFingerprint(attn_impl=_VLLM_ATTENTION[dist], kv_storage_dtype=cfg.kv_storage_dtype,
                                         engine=f"{dist}=={version}",
                                         device_class=configured_device_class(cfg, cuda=dist == "vllm"),
-                                        kv_codec=cfg.kv_codec)
+                                        kv_codec=cfg.tier_codecs.fingerprint)
     versions = "+".join(f"{name}=={importlib.metadata.version(name)}" for name in ("transformers", "torch"))
     return ExecutionPathFingerprint(attn_impl=cfg.attn_impl, kv_storage_dtype=cfg.kv_storage_dtype,
                                     engine=versions, device_class=configured_device_class(cfg, cuda=False),
-                                    kv_codec=cfg.kv_codec)
+                                    kv_codec=cfg.tier_codecs.fingerprint)
 
 
 def configured_device_class(cfg: ModelConfig, cuda: bool) -> str:

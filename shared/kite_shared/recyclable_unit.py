@@ -1,9 +1,9 @@
 """Recyclable units (RUs): one KV block for all layers plus the metadata that proves what it is.
 
-Binary format, version 5 (all integers big-endian; no pickle anywhere, so decoding untrusted bytes
+Binary format, version 6 (all integers big-endian; no pickle anywhere, so decoding untrusted bytes
 cannot run code):
 
-    offset 0   4 bytes   magic b"KRU" + format version byte (0x05)
+    offset 0   4 bytes   magic b"KRU" + format version byte (0x06)
     offset 4   4 bytes   header length H (uint32)
     offset 8   H bytes   msgpack map (the header):
                  block_hash        bin(32)  the block's CF hash (kite_shared.fingerprint)
@@ -19,15 +19,21 @@ cannot run code):
                                             "int8" | "fp8_e4m3": a lossy payload (kite_shared.kv_codec),
                                             8-bit elements followed by their scales
                  shape             [int]*5  [num_layers, 2 (key, value), num_kv_heads, num_tokens, head_dim]
+                 warm_codec        str      "" | "int8" | "fp8_e4m3": the codec the warm tier stores this
+                                            unit in ("": as it is); the ru-pool transcodes it on its way
+                                            down (kite_shared.tier_codecs)
+                 cold_codec        str      the same for the cold tier
                  checksum          bin(32)  BLAKE3-256 of the payload bytes
                  mac               bin(32) | nil   HMAC-SHA256 with the cluster key (see below); nil
                                    when encoded without a key
     offset 8+H           payload: the tensor, C order, little-endian elements
 
 Version 2 added `mac`; version 3 added `tenant_tag`; version 4 stopped feeding the payload to the MAC a
-second time; version 5 hashes the payload with BLAKE3 instead of SHA-256. The MAC is HMAC-SHA256(key,
-"kite.ru.v5/mac" | block_hash | parent_hash | len32+model_fingerprint | len32+tenant_tag | block_index u64
-| num_tokens u64 | created_at f64 | len32+codec | shape 5 x u64 | checksum): the checksum (collision-
+second time; version 5 hashes the payload with BLAKE3 instead of SHA-256; version 6 adds the tier codecs.
+The MAC is HMAC-SHA256(key, "kite.ru.v6/mac" | block_hash | parent_hash | len32+model_fingerprint |
+len32+tenant_tag | block_index u64 | num_tokens u64 | created_at f64 | len32+codec | shape 5 x u64 |
+len32+warm_codec | len32+cold_codec | checksum): the tier codecs are signed, so only a holder of the
+secret can make the pool store a unit lossily (in a namespace that chose it). The checksum (collision-
 resistant) binds the payload, so verifying a unit hashes its payload once, and that hash is the whole cost
 of verification (the MAC covers ~200 bytes). Why BLAKE3: verification is on the path of every reused
 block, and on this machine (x86-64 with SHA-NI and AVX-512) SHA-256 hashes 369 KB payloads at about 2,000
@@ -61,10 +67,11 @@ import msgpack
 from blake3 import blake3
 
 from kite_shared.security import ANONYMOUS_TENANT_TAG, TENANT_TAG_CHARS
+from kite_shared.tier_codecs import LOSSY_CODECS
 
 MAGIC = b"KRU"
-FORMAT_VERSION = 5
-_MAC_DOMAIN = b"kite.ru.v5/mac"
+FORMAT_VERSION = 6
+_MAC_DOMAIN = b"kite.ru.v6/mac"
 MAC_BYTES = 32
 _PREAMBLE = struct.Struct(">3sBI")  # magic, version, header length
 MAX_HEADER_BYTES = 4096
@@ -75,7 +82,6 @@ MULTITHREAD_HASH_BYTES = 1 << 20
 
 CODEC_ITEM_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}  # the lossless codecs: the elements as computed
 TORCH_DTYPE_TO_CODEC = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
-LOSSY_CODECS = ("int8", "fp8_e4m3")  # kite_shared.kv_codec encodes and decodes them (torch)
 
 
 def payload_bytes(codec: str, shape: tuple[int, ...]) -> int:
@@ -126,6 +132,9 @@ class RecyclableUnit:
     payload: bytes | memoryview
     created_at: float = field(default_factory=time.time)
     tenant_tag: str = ANONYMOUS_TENANT_TAG  # kite_shared.security.tenant_tag of the computing tenant
+    # The codecs the warm and the cold tier store this unit in ("": as it is; kite_shared.tier_codecs).
+    warm_codec: str = ""
+    cold_codec: str = ""
 
     @property
     def num_bytes(self) -> int:
@@ -140,16 +149,14 @@ class RecyclableUnit:
 
     def mac(self, key: bytes, checksum: bytes | None = None) -> bytes:
         """HMAC-SHA256 of the unit's identity, header fields and payload checksum (module docstring)."""
-        fp = self.model_fingerprint.encode("utf-8")
-        tenant = self.tenant_tag.encode("utf-8")
-        codec = self.codec.encode("utf-8")
         if not 0 <= self.block_index < 2**64:
             raise RUFormatError("block index out of range")
         h = hmac.new(key, digestmod=hashlib.sha256)
         h.update(_MAC_DOMAIN + bytes(self.block_hash) + bytes(self.parent_hash)
-                 + struct.pack(">I", len(fp)) + fp + struct.pack(">I", len(tenant)) + tenant
+                 + _sized(self.model_fingerprint) + _sized(self.tenant_tag)
                  + struct.pack(">QQd", self.block_index, self.num_tokens, float(self.created_at))
-                 + struct.pack(">I", len(codec)) + codec + struct.pack(">5Q", *self.shape)
+                 + _sized(self.codec) + struct.pack(">5Q", *self.shape)
+                 + _sized(self.warm_codec) + _sized(self.cold_codec)
                  + (checksum if checksum is not None else self.checksum()))
         return h.digest()
 
@@ -157,6 +164,7 @@ class RecyclableUnit:
         """The unit's bytes; with `key` (the cluster RU key) it carries an HMAC readers can verify."""
         _check_geometry(self.codec, self.shape, self.num_tokens, len(self.payload))
         _check_tenant_tag(self.tenant_tag)
+        _check_tier_codecs(self.warm_codec, self.cold_codec)
         checksum = self.checksum()
         header = msgpack.packb({
             "block_hash": self.block_hash,
@@ -168,10 +176,24 @@ class RecyclableUnit:
             "created_at": self.created_at,
             "codec": self.codec,
             "shape": list(self.shape),
+            "warm_codec": self.warm_codec,
+            "cold_codec": self.cold_codec,
             "checksum": checksum,
             "mac": None if key is None else self.mac(key, checksum),
         }, use_bin_type=True)
         return _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header)) + header + self.payload
+
+
+def _sized(text: str) -> bytes:
+    """`text` as the MAC takes a string: its UTF-8 length (uint32), then its bytes."""
+    raw = text.encode("utf-8")
+    return struct.pack(">I", len(raw)) + raw
+
+
+def _check_tier_codecs(warm_codec: str, cold_codec: str) -> None:
+    for name, codec in (("warm_codec", warm_codec), ("cold_codec", cold_codec)):
+        if codec not in ("", *LOSSY_CODECS):
+            raise RUFormatError(f"{name} must be empty or one of {', '.join(LOSSY_CODECS)}, got {codec!r}")
 
 
 def _check_geometry(codec: str, shape: tuple[int, ...], num_tokens: int, payload_len: int) -> None:
@@ -200,21 +222,7 @@ def decode(data: bytes | bytearray | memoryview, expected_hash: bytes | None = N
     """Parse and verify `data`; see the module docstring for what is checked. With `key`, a unit whose
     MAC is absent or wrong raises RUAuthError. `hash_threads`: as `RecyclableUnit.checksum`'s
     `max_threads` (1 where the caller verifies several units at once, one per thread)."""
-    if len(data) < _PREAMBLE.size:
-        raise RUFormatError("too short for a recyclable unit")
-    magic, version, header_len = _PREAMBLE.unpack_from(data)
-    if magic != MAGIC:
-        raise RUFormatError("bad magic: not a recyclable unit")
-    if version != FORMAT_VERSION:
-        raise RUFormatError(f"unsupported format version {version}")
-    if header_len > MAX_HEADER_BYTES or _PREAMBLE.size + header_len > len(data):
-        raise RUFormatError("header length out of range")
-    try:
-        header = msgpack.unpackb(data[_PREAMBLE.size:_PREAMBLE.size + header_len], raw=False)
-    except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise RUFormatError(f"header is not msgpack: {exc}") from None
-    if not isinstance(header, dict):
-        raise RUFormatError("header must be a map")
+    header, header_len = _read_header(data)
     try:
         unit = RecyclableUnit(
             block_hash=_typed(header, "block_hash", bytes),
@@ -226,6 +234,8 @@ def decode(data: bytes | bytearray | memoryview, expected_hash: bytes | None = N
             created_at=float(_typed(header, "created_at", (int, float))),
             codec=_typed(header, "codec", str),
             shape=tuple(_typed(header, "shape", list)),  # type: ignore[arg-type]
+            warm_codec=_typed(header, "warm_codec", str),
+            cold_codec=_typed(header, "cold_codec", str),
             payload=memoryview(data)[_PREAMBLE.size + header_len:],
         )
         checksum = _typed(header, "checksum", bytes)
@@ -242,6 +252,7 @@ def decode(data: bytes | bytearray | memoryview, expected_hash: bytes | None = N
         raise RUFormatError("negative block index")
     _check_geometry(unit.codec, unit.shape, unit.num_tokens, len(unit.payload))
     _check_tenant_tag(unit.tenant_tag)
+    _check_tier_codecs(unit.warm_codec, unit.cold_codec)
     if unit.checksum(hash_threads) != checksum:
         raise RUChecksumError("payload checksum mismatch")
     if key is not None:
@@ -256,6 +267,38 @@ def decode(data: bytes | bytearray | memoryview, expected_hash: bytes | None = N
     if expected_tenant_tag is not None and unit.tenant_tag != expected_tenant_tag:
         raise RUKeyMismatchError("unit belongs to a different tenant")
     return unit
+
+
+def stored_codecs(data: bytes | bytearray | memoryview) -> tuple[str, str, str]:
+    """(codec, warm_codec, cold_codec) from a unit's header, unverified: what the ru-pool reads to decide
+    whether a unit it verified when it arrived needs transcoding on its way down (the transcoding then
+    verifies it again). Raises RUFormatError."""
+    header, _ = _read_header(data)
+    try:
+        return (_typed(header, "codec", str), _typed(header, "warm_codec", str),
+                _typed(header, "cold_codec", str))
+    except ValueError as exc:
+        raise RUFormatError(str(exc)) from None
+
+
+def _read_header(data: bytes | bytearray | memoryview) -> tuple[dict, int]:
+    """The header map and its length in bytes, after the preamble's checks."""
+    if len(data) < _PREAMBLE.size:
+        raise RUFormatError("too short for a recyclable unit")
+    magic, version, header_len = _PREAMBLE.unpack_from(data)
+    if magic != MAGIC:
+        raise RUFormatError("bad magic: not a recyclable unit")
+    if version != FORMAT_VERSION:
+        raise RUFormatError(f"unsupported format version {version}")
+    if header_len > MAX_HEADER_BYTES or _PREAMBLE.size + header_len > len(data):
+        raise RUFormatError("header length out of range")
+    try:
+        header = msgpack.unpackb(data[_PREAMBLE.size:_PREAMBLE.size + header_len], raw=False)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise RUFormatError(f"header is not msgpack: {exc}") from None
+    if not isinstance(header, dict):
+        raise RUFormatError("header must be a map")
+    return header, header_len
 
 
 def _typed(header: dict, key: str, kind: type | tuple[type, ...]):

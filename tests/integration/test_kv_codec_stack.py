@@ -4,7 +4,10 @@
   measured share;
 - with the floor lowered, a stack stores int8 units under a fingerprint of their own (the codec is in
   the execution path: never the lossless namespace), and a worker that never computed a prompt loads its
-  prefix from the pool through the codec.
+  prefix from the pool through the codec;
+- a codec per tier (KITE_KV_CODEC_COLD=int8 below lossless hot and warm): warm holds the units as
+  computed, the ru-pool transcodes them into int8 when it archives them to cold, and a fresh worker loads
+  its prefix from cold through the codec.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import os
 import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import redis
 
@@ -28,7 +33,8 @@ def test_a_codec_below_the_agreement_floor_is_refused_at_start():
     worker = subprocess.run([sys.executable, "-m", "kite_worker"], env=env, capture_output=True, text=True,
                             timeout=300)
     assert worker.returncode != 0
-    measured = re.search(r"KV codec int8: (\d+\.\d)% of greedy tokens equal to lossless fp16", worker.stderr)
+    measured = re.search(r"KV codec int8 \(hot, warm and cold tiers\): (\d+\.\d)% of greedy tokens equal to "
+                         r"lossless fp16", worker.stderr)
     assert measured, worker.stderr[-2000:]
     assert float(measured.group(1)) < 99.0 and "below KITE_KV_CODEC_MIN_AGREEMENT=0.99" in worker.stderr
 
@@ -36,7 +42,8 @@ def test_a_codec_below_the_agreement_floor_is_refused_at_start():
 def test_lossy_units_live_in_their_own_namespace_and_load_through_the_codec(fresh_stack_factory):
     stack = fresh_stack_factory(num_workers=1, env={"KITE_KV_CODEC": "int8", "KITE_KV_CODEC_MIN_AGREEMENT": "0.5"})
     assert stack.redis is not None, "this test needs redis-server installed"
-    assert "KV codec int8:" in stack.tail(stack.workers()[0], 200_000)  # the guard measured it and let it pass
+    # the guard measured it and let it pass
+    assert "KV codec int8 (hot, warm and cold tiers):" in stack.tail(stack.workers()[0], 200_000)
     first = chat(stack, "Which block does the pool keep first?")
     assert cached(first) == 0
     wait_for_warm_blocks(stack, minimum=first["usage"]["prompt_tokens"] // 16)
@@ -54,3 +61,34 @@ def test_lossy_units_live_in_their_own_namespace_and_load_through_the_codec(fres
     second = chat(stack, "Which block does the pool keep last?")
     assert cached(second) >= 16 * 10
     assert second["choices"][0]["message"]["content"]  # a lossy prefix still answers (not necessarily alike)
+
+
+def test_a_lossy_cold_tier_holds_int8_units_that_a_fresh_worker_loads(fresh_stack_factory):
+    settings = {"KITE_KV_CODEC_COLD": "int8", "KITE_KV_CODEC_MIN_AGREEMENT": "0.5",
+                # nothing stays in the pool's memory, and warm blocks are archived to cold after a second
+                "KITE_POOL_HOT_BYTES": "0", "KITE_POOL_ARCHIVE_AFTER_S": "1", "KITE_POOL_SWEEP_INTERVAL_S": "0.5"}
+    stack = fresh_stack_factory(num_workers=1, env=settings)
+    assert stack.redis is not None, "this test needs redis-server installed"
+    assert "KV codec int8 (cold tier):" in stack.tail(stack.workers()[0], 200_000)
+    first = chat(stack, "Which block does the pool keep first?")
+    num_blocks = first["usage"]["prompt_tokens"] // 16
+    warm = redis.Redis.from_url(stack.redis.url)
+    # (That warm holds the units as computed until then is tests/integration/test_ru_pool_tier_codecs.py's:
+    # here archival is too quick to look.)
+    cold_dir = Path(stack.options.env["KITE_COLD_DIR"])
+    deadline = time.monotonic() + 60
+    while len(list(cold_dir.rglob("*.kru"))) < num_blocks or any(warm.scan_iter("kite:ru:*")):
+        assert time.monotonic() < deadline, "the pool never archived the blocks to cold"
+        time.sleep(0.5)
+    in_cold = [recyclable_unit.decode(path.read_bytes()) for path in cold_dir.rglob("*.kru")]
+    assert {(u.codec, u.cold_codec) for u in in_cold} == {("int8", "int8")}  # transcoded by the pool
+    cfg = load(ModelConfig, {"KITE_ENGINE": "transformers", **settings})
+    namespace = model_store.identity(model_store.prepare(cfg), cfg).fingerprint_hex
+    all_int8 = load(ModelConfig, {"KITE_ENGINE": "transformers", "KITE_KV_CODEC": "int8"})
+    assert {u.model_fingerprint for u in in_cold} == {namespace}
+    assert namespace != model_store.identity(model_store.prepare(all_int8), all_int8).fingerprint_hex
+
+    replace_worker(stack)  # a worker that never computed the prompt: its prefix comes from cold
+    second = chat(stack, "Which block does the pool keep last?")
+    assert cached(second) >= 16 * 10
+    assert second["choices"][0]["message"]["content"]

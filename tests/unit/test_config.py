@@ -69,6 +69,15 @@ def test_a_kv_codec_is_lossless_by_default_and_only_a_known_lossy_one_otherwise(
         load(ModelConfig, {"KITE_KV_CODEC": "fp16"})  # lossless storage is KITE_KV_STORAGE_DTYPE's
 
 
+def test_tier_codecs_come_from_the_three_settings_and_a_bad_policy_names_them():
+    cfg = load(ModelConfig, {"KITE_KV_CODEC_COLD": "int8"})
+    assert (cfg.tier_codecs.hot, cfg.tier_codecs.warm, cfg.tier_codecs.cold) == ("", "", "int8")
+    with pytest.raises(ConfigError, match="KITE_KV_CODEC_WARM='fp16'"):
+        load(ModelConfig, {"KITE_KV_CODEC_WARM": "fp16"})
+    with pytest.raises(ConfigError, match="cold tier cannot store fp8_e4m3 units below a warm tier of int8"):
+        load(ModelConfig, {"KITE_KV_CODEC_WARM": "int8", "KITE_KV_CODEC_COLD": "fp8_e4m3"})
+
+
 def test_every_config_field_reads_a_registered_variable():
     for cls in (c for c in vars(config).values() if dataclasses.is_dataclass(c) and c.__name__.endswith("Config")):
         for field in dataclasses.fields(cls):

@@ -12,6 +12,7 @@ import pytest
 from kite_shared.fingerprint import (ExecutionPathFingerprint, KVLayout, ModelFingerprint, block_hash_chain,
                                      encode_value, hash_block, root_hash)
 
+from kite_shared.tier_codecs import TierCodecs
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rope_scaling="",
                   norm_eps=1e-5, block_size=16)
 MODEL = ModelFingerprint(weights_digest="ab" * 32, adapter_digest="", dtype="float32",
@@ -92,6 +93,10 @@ def test_only_a_lossy_codec_enters_the_execution_path():
     # The pinned hashes above are computed with no codec: every lossless deployment keeps its blocks.
     assert _exec(kv_codec="").digest() == EXEC.digest()
     assert len({EXEC.digest(), _exec(kv_codec="int8").digest(), _exec(kv_codec="fp8_e4m3").digest()}) == 3
+    # A lossy cold tier under lossless hot and warm is a namespace of its own too, and its policy is read back.
+    cold_int8 = TierCodecs.from_settings("", cold="int8")
+    assert _exec(kv_codec=cold_int8.fingerprint).digest() not in {EXEC.digest(), _exec(kv_codec="int8").digest()}
+    assert _exec(kv_codec=cold_int8.fingerprint).tier_codecs == cold_int8
 
 
 def test_tokens_change_their_block_and_every_later_one():

@@ -143,6 +143,8 @@ def test_a_pending_fetch_answers_none_until_done_and_never_waits():
 
 def test_a_saved_block_becomes_a_unit_of_the_configured_codec(tmp_path):
     from kite_shared import kv_codec, recyclable_unit
+    from kite_shared.tier_codecs import TierCodecs
+    from kite_worker import codec_tensors
     from kite_worker.kv_agent import ConnectorOptions
     from kite_worker.kv_plan import SavedBlockInfo
 
@@ -152,13 +154,15 @@ def test_a_saved_block_becomes_a_unit_of_the_configured_codec(tmp_path):
                           model_fingerprint="ab" * 32)
     for codec in ("", "int8"):
         kv = agent(tmp_path)
-        kv.options = dataclasses.replace(kv.options, kv_codec=codec)
+        kv.options = dataclasses.replace(kv.options, tier_codecs=TierCodecs.from_settings(codec, cold="int8"))
         saved.write_bytes(block.contiguous().view(torch.uint8).numpy().tobytes())
         unit = recyclable_unit.decode(kv._encode(info, saved), expected_hash=bytes(HASHES[0]))
-        assert unit.codec == (codec or "fp16")
+        assert unit.codec == (codec or "fp16") and unit.cold_codec == "int8"
         assert len(unit.payload) == kv_codec.payload_bytes(unit.codec, UNIT_SHAPE)
-        restored = kv_codec.decode(unit.payload, unit.codec, UNIT_SHAPE, torch.float32)
+        restored = codec_tensors.decode(unit.payload, unit.codec, UNIT_SHAPE, torch.float32)
         assert torch.allclose(restored, block.float(), atol=0 if not codec else float(block.abs().max()) / 100)
     # The worker's front end hands the codec to the connector in vLLM's kv_connector_extra_config.
-    extra = ConnectorOptions.extra_config("ab" * 32, "w", tmp_path, "float16", True, True, 1 << 20, kv_codec="int8")
-    assert ConnectorOptions.from_extra_config(extra).kv_codec == "int8"
+    for tier_codecs in (TierCodecs.from_settings("int8"), TierCodecs.from_settings("", cold="fp8_e4m3")):
+        extra = ConnectorOptions.extra_config("ab" * 32, "w", tmp_path, "float16", True, True, 1 << 20,
+                                              tier_codecs=tier_codecs)
+        assert ConnectorOptions.from_extra_config(extra).tier_codecs == tier_codecs

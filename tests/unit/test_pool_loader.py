@@ -9,6 +9,8 @@ import torch
 from kite_shared import kv_codec, recyclable_unit
 from kite_shared.recyclable_unit import RecyclableUnit
 from kite_shared.security import ANONYMOUS_TENANT_TAG
+from kite_shared.tier_codecs import TierCodecs
+from kite_worker import codec_tensors
 from kite_worker.pool_loader import CostModel, PoolLoader, TierEstimate
 
 BLOCK_BYTES = 368_640  # one SmolLM2 block in fp16
@@ -77,7 +79,7 @@ def test_a_lossy_unit_is_never_loaded_as_exact_kv():
     def unit(codec: str) -> RecyclableUnit:
         return RecyclableUnit(block_hash=b"\x01" * 32, parent_hash=b"\x00" * 32, model_fingerprint=fp,
                               block_index=0, num_tokens=16, codec=codec, shape=shape,
-                              payload=kv_codec.encode(block, codec))
+                              payload=codec_tensors.encode(block, codec))
 
     assert torch.equal(loader._to_tensor(b"\x01" * 32, unit("fp16")), block.half())
     for codec in kv_codec.LOSSY:  # a valid unit (the ru-pool stores it), but not the block that was computed
@@ -89,18 +91,49 @@ def test_a_lossy_unit_is_never_loaded_as_exact_kv():
 def test_a_worker_that_chose_a_lossy_codec_loads_its_units_decoded_and_no_other_codec():
     fp, shape = "ab" * 32, (1, 2, 1, 16, 4)
     block = torch.randn(shape)
-    loader = PoolLoader(None, None, model(0.003), fp, shape, torch.float16, None, kv_codec="int8")
+    loader = PoolLoader(None, None, model(0.003), fp, shape, torch.float16, None,
+                        tier_codecs=TierCodecs.from_settings("int8"))
 
     def unit(codec: str, payload: bytes | None = None) -> RecyclableUnit:
         return RecyclableUnit(block_hash=b"\x01" * 32, parent_hash=b"\x00" * 32, model_fingerprint=fp,
                               block_index=0, num_tokens=16, codec=codec, shape=shape,
-                              payload=payload if payload is not None else kv_codec.encode(block, codec))
+                              payload=payload if payload is not None else codec_tensors.encode(block, codec))
 
     loaded = loader._to_tensor(b"\x01" * 32, unit("int8"))
     assert loaded.dtype == torch.float16 and loaded.shape == shape
     assert torch.allclose(loaded.float(), block, atol=float(block.abs().max()) / 100)
     assert loader._to_tensor(b"\x01" * 32, unit("fp8_e4m3")) is None  # another codec's namespace
-    bad_scales = bytearray(kv_codec.encode(block, "int8"))
+    bad_scales = bytearray(codec_tensors.encode(block, "int8"))
     bad_scales[-2:] = b"\x00\xfc"  # a value scale of -inf (fp16)
     assert loader._to_tensor(b"\x01" * 32, unit("int8", bytes(bad_scales))) is None
     assert loader.num_rejected == 2
+
+
+def test_a_worker_whose_cold_tier_is_int8_loads_exact_and_int8_units_and_no_other_lossy_codec():
+    fp, shape = "ab" * 32, (1, 2, 1, 16, 4)
+    block = torch.randn(shape)
+    loader = PoolLoader(None, None, model(0.003), fp, shape, torch.float16, None,
+                        tier_codecs=TierCodecs.from_settings("", cold="int8"))
+
+    def unit(codec: str) -> RecyclableUnit:
+        return RecyclableUnit(block_hash=b"\x01" * 32, parent_hash=b"\x00" * 32, model_fingerprint=fp,
+                              block_index=0, num_tokens=16, codec=codec, shape=shape,
+                              payload=codec_tensors.encode(block, codec), cold_codec="int8")
+
+    assert torch.equal(loader._to_tensor(b"\x01" * 32, unit("fp16")), block.half())  # hot and warm: exact
+    cold = loader._to_tensor(b"\x01" * 32, unit("int8"))  # what the pool transcoded on its way to cold
+    assert torch.allclose(cold.float(), block, atol=float(block.abs().max()) / 100)
+    assert loader._to_tensor(b"\x01" * 32, unit("fp8_e4m3")) is None
+    assert loader.num_rejected == 1
+
+
+def test_the_cost_model_weighs_a_unit_in_each_tier_s_codec():
+    shape = (30, 2, 3, 16, 64)
+    exact = CostModel.for_units(16, shape, torch.float16, TierCodecs())
+    cold_int8 = CostModel.for_units(16, shape, torch.float16, TierCodecs.from_settings("", cold="int8"))
+    assert exact.block_bytes == cold_int8.block_bytes == kv_codec.payload_bytes("fp16", shape) == 368_640
+    assert cold_int8.tier_block_bytes == {"w": 368_640, "c": kv_codec.payload_bytes("int8", shape)}
+    cold = exact.tiers["c"]  # the same seed bandwidth in both: only the bytes differ
+    assert cold_int8.fetch_seconds(b"cccc") == pytest.approx(cold.latency_s + 4 * 198_720 / cold.bytes_per_s)
+    assert exact.fetch_seconds(b"cccc") == pytest.approx(cold.latency_s + 4 * 368_640 / cold.bytes_per_s)
+    assert cold_int8.fetch_seconds(b"ww") == exact.fetch_seconds(b"ww")

@@ -10,7 +10,7 @@ from blake3 import blake3
 import pytest
 
 from kite_shared.recyclable_unit import (RecyclableUnit, RUChecksumError, RUFormatError, RUKeyMismatchError,
-                                         decode)
+                                         decode, stored_codecs)
 from kite_shared.security import ANONYMOUS_TENANT_TAG, tenant_tag
 
 SHAPE = (2, 2, 1, 16, 4)
@@ -33,7 +33,7 @@ def test_round_trip(codec):
 def test_layout_is_magic_length_header_payload():
     data = unit().encode()
     magic, version, header_len = struct.unpack_from(">3sBI", data)
-    assert (magic, version) == (b"KRU", 5)
+    assert (magic, version) == (b"KRU", 6)
     header = msgpack.unpackb(data[8:8 + header_len])
     assert header["shape"] == list(SHAPE) and header["codec"] == "fp16"
     assert data[8 + header_len:] == unit().payload
@@ -59,7 +59,8 @@ def test_flipped_payload_byte_fails_checksum():
 @pytest.mark.parametrize("damage", [
     lambda d: d[:7],  # truncated preamble
     lambda d: b"XRU" + d[3:],  # bad magic
-    lambda d: d[:3] + b"\x06" + d[4:],  # unknown version
+    lambda d: d[:3] + b"\x07" + d[4:],  # unknown version
+    lambda d: d[:3] + b"\x05" + d[4:],  # version 5 (no tier codecs) is no longer read
     lambda d: d[:3] + b"\x04" + d[4:],  # version 4 (SHA-256 checksum) is no longer read
     lambda d: d[:3] + b"\x03" + d[4:],  # version 3 (MAC over the payload too) is no longer read
     lambda d: d[:3] + b"\x01" + d[4:],  # version 1 (no MAC) is no longer read
@@ -110,3 +111,18 @@ def test_checksum_is_the_same_on_any_number_of_threads(num_bytes):
                        payload=payload)
     expected = blake3(payload).digest()
     assert u.checksum() == u.checksum(1) == u.checksum(blake3.AUTO) == expected
+
+
+def test_tier_codecs_round_trip_and_are_read_without_verifying():
+    lossy_below = RecyclableUnit(**{**unit().__dict__, "cold_codec": "int8"})
+    data = lossy_below.encode()
+    assert decode(data) == lossy_below
+    assert stored_codecs(data) == ("fp16", "", "int8")
+    with pytest.raises(RUFormatError):
+        stored_codecs(data[:3] + b"\x05" + data[4:])
+
+
+@pytest.mark.parametrize("field", ["warm_codec", "cold_codec"])
+def test_a_tier_codec_that_is_not_lossy_is_refused(field):
+    with pytest.raises(RUFormatError, match=field):
+        RecyclableUnit(**{**unit().__dict__, field: "zstd"}).encode()

@@ -59,6 +59,8 @@ def test_wrong_key_missing_mac_and_forged_fields_are_auth_errors():
                    _rewrite_header(good, tenant_tag=security.tenant_tag("mallory")),
                    _rewrite_header(good, block_hash=b"\x07" * 32),
                    _rewrite_header(good, created_at=1.0),
+                   _rewrite_header(good, cold_codec="int8"),  # would make the pool store it lossily
+                   _rewrite_header(good, warm_codec="fp8_e4m3"),
                    _rewrite_header(good, payload=bytes(len(unit().payload)))):
         with pytest.raises(RUAuthError):
             decode(forged, key=KEY)

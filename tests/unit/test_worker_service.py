@@ -16,6 +16,7 @@ from kite_shared.endpoints import Endpoint
 from kite_shared.messages import (Admission, Cancel, SamplingParams, StreamEnd, TokenChunk, TokenizedRequest,
                                   Usage, WorkerTelemetry)
 from kite_shared.service import ServiceRuntime
+from kite_shared.tier_codecs import TierCodecs
 from kite_worker.__main__ import refused
 from kite_worker.engine import RequestRejected
 from kite_worker.service import LoadedModel, WorkerService
@@ -106,7 +107,8 @@ async def worker() -> WorkerService:
                              decode_seconds_per_token=0.0,
                              block_cache=SimpleNamespace(num_bytes=0, capacity_bytes=1))
     loaded = LoadedModel(SimpleNamespace(name="m", max_context_tokens=64),
-                         SimpleNamespace(fingerprint_hex="ab" * 32, execution=SimpleNamespace(kv_codec="")), engine)
+                         SimpleNamespace(fingerprint_hex="ab" * 32,
+                                         execution=SimpleNamespace(tier_codecs=TierCodecs())), engine)
     service = WorkerService(rt, loaded, load(WorkerConfig, pool_read=False, pool_write=False, standby=False,
                                              shadow_fraction=0.0))  # its stand-in scheduler checks nothing
     service.scheduler = StandInScheduler()

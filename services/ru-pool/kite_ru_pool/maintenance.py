@@ -290,6 +290,9 @@ class Maintenance:
                 await self.warm.delete(key)
                 self.io.note_missing(key, WARM)
                 return
+            data = await self.io.stored_form(key, data, "cold", source="warm")
+            if data is None:
+                return  # does not verify (counted): stays in warm, retried next sweep
             if not await self.cold.put(key, data):
                 return  # cold down: stays in warm, retried next sweep
             self.io.note_stored(key, COLD, len(data))

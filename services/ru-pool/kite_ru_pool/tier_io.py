@@ -1,7 +1,8 @@
 """Tier I/O: carries the core's decisions out on the hot, warm and cold tiers and reports the outcomes
 back to it. Puts (verify, admit, quota, hot, write-through), gets (hot, then warm and cold read in
 batches, promoting what it reads), demotions, deletions of dropped blocks, pins in storage, and the
-verification of units copied between tiers.
+verification of units copied between tiers. A unit written to warm or cold goes in the codec it names for
+that tier (`stored_form`: transcoded on a thread when that codec is lossy; kite_shared.tier_codecs).
 
 Boundary: calls the pure core (core.PoolCore), the tier clients (kite_shared.tiers: RedisTier,
 S3Tier/LocalDirTier behind TierClient) and, when the pool has a hand-off folder, its hot files
@@ -22,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kite_shared import recyclable_unit, security
+from kite_shared import kv_codec, recyclable_unit, security
 from kite_shared.messages import ErrorInfo
 from kite_shared.tiers import metrics
 from kite_shared.tiers.client import TierClient
@@ -127,6 +128,9 @@ class TierIO:
     async def _write_through(self, key: BlockKey, data: bytes, depth: int) -> None:
         self._writing.add(key)
         try:
+            data = await self.stored_form(key, data, "warm")
+            if data is None:
+                return
             if await self.warm.put(key, data, pinned=self.core.is_pinned(key)):
                 if key in self._dropped_while_writing:
                     await self.warm.delete(key)  # a quota eviction or clear took it meanwhile
@@ -239,7 +243,8 @@ class TierIO:
             self.background.spawn(self._promote_to_warm(key, data), "promotion to warm")
 
     async def _promote_to_warm(self, key: BlockKey, data: bytes) -> None:
-        if await self.warm.put(key, data, pinned=self.core.is_pinned(key)):
+        data = await self.stored_form(key, data, "warm", source="cold")
+        if data is not None and await self.warm.put(key, data, pinned=self.core.is_pinned(key)):
             self.note_stored(key, WARM, len(data))
             self.core.counters.promotions += 1
             metrics.TIER_PROMOTIONS.inc()
@@ -277,13 +282,45 @@ class TierIO:
         for tier, bit in order:
             if tier is None:
                 continue
-            if await tier.put(action.key, action.data, pinned=self.core.is_pinned(action.key)):
-                self.note_stored(action.key, bit, len(action.data), now)
+            data = await self.stored_form(action.key, action.data, tier.name)
+            if data is None:
+                break
+            if await tier.put(action.key, data, pinned=self.core.is_pinned(action.key)):
+                self.note_stored(action.key, bit, len(data), now)
                 self.core.counters.demotions += 1
                 metrics.TIER_DEMOTIONS.inc()
                 return
         log.debug("demotion of %s failed: no slower tier took it", action.key.short())
         self.core.demotion_failed(action.key)
+
+    async def stored_form(self, key: BlockKey, data: bytes | memoryview, tier: str,
+                          source: str = "hot") -> bytes | memoryview | None:
+        """`data` as `tier` ("warm" or "cold") stores it: the same bytes, or the unit transcoded into the
+        lossy codec it names for that tier (verified and signed again, on a thread; docs/benchmarks.md,
+        "KV codecs", gives the cost). A unit the codec has no form for (non-finite values) is stored as it
+        is, counted: exact KV is valid in any namespace. None when the unit does not verify (an
+        integrity failure of `source`, the tier it was read from): `tier` is not written then."""
+        try:
+            codec, warm_codec, cold_codec = recyclable_unit.stored_codecs(data)
+            wanted = warm_codec if tier == "warm" else cold_codec
+            if not wanted or wanted == codec:
+                return data
+            started = time.perf_counter()
+            transcoded = await asyncio.to_thread(kv_codec.transcode, data, wanted, self.ru_key)
+        except recyclable_unit.RUError as exc:
+            metrics.TIER_INTEGRITY_FAILURES.labels(source).inc()
+            log.warning("block %s was not written to %s: it does not verify (%s: %s)", key.short(), tier,
+                        type(exc).__name__, exc)
+            return None
+        except kv_codec.CodecError as exc:
+            self.core.counters.transcode_refused += 1
+            metrics.TIER_TRANSCODE_REFUSALS.inc()
+            log.warning("block %s is stored in %s as it is, not in %s: %s", key.short(), tier, wanted, exc)
+            return data
+        metrics.TIER_TRANSCODE_SECONDS.observe(time.perf_counter() - started)
+        metrics.TIER_TRANSCODES.labels(tier, wanted).inc()
+        self.core.counters.transcoded += 1
+        return transcoded
 
     def drop_stored(self, drop: DropBlock) -> asyncio.Task:
         """Delete a block the core just dropped (quota, tenant clear) from the tiers that held it, and
@@ -330,6 +367,8 @@ class TierIO:
             if found is not None:
                 data = found[1]
                 self.put_hot(key, data)
+        if data is not None:
+            data = await self.stored_form(key, data, "warm", source="hot" if tiers & HOT else "cold")
         if data is not None and await self.warm.put(key, data, pinned=True):
             self.note_stored(key, WARM, len(data))
         return 1 if self.core.tiers_of(key) else 0

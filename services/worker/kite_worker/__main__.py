@@ -34,7 +34,7 @@ def load_engine(model_cfg: ModelConfig, worker_cfg: WorkerConfig, instance_id: s
     model_store.check_worker_device(model_cfg)
     local = model_store.prepare(model_cfg)
     identity = model_store.identity(local, model_cfg)
-    if model_cfg.kv_codec:  # before the engine takes the memory: a refused codec never serves
+    if model_cfg.tier_codecs.lossy:  # before the engine takes the memory: a refused codec never serves
         codec_guard.check(local, model_cfg, worker_cfg.kv_codec_min_agreement)
     served_adapters = adapters.load_configured(model_cfg, local, identity)
     load_adapter = adapters.loader(model_cfg, local, identity)

@@ -1,5 +1,6 @@
-"""The quality guard of a lossy KV codec (KITE_KV_CODEC, issue 17): a worker measures the codec at start
-and refuses it when reused blocks would change too many answers.
+"""The quality guard of a lossy KV codec (KITE_KV_CODEC, or a tier's: KITE_KV_CODEC_WARM, _COLD; issue
+17): a worker measures each lossy codec of its tiers at start and refuses to start when blocks reused from
+a tier in that codec would change too many answers.
 
 The measurement, on the reference engine's model (transformers, whatever KITE_ENGINE serves with: vLLM's
 kernels are not needed to see what the codec does to the numbers): for each prompt of a fixed set, the
@@ -25,10 +26,11 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from kite_shared import kv_codec
 from kite_shared.config import ConfigError, ModelConfig
 from kite_shared.model_store import LocalModel, load_causal_lm, load_tokenizer
 from kite_shared.recyclable_unit import TORCH_DTYPE_TO_CODEC
+from kite_shared.tier_codecs import TIERS
+from kite_worker import codec_tensors
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ def through_codec(cache: DynamicCache, codec: str | None, block_size: int) -> Dy
             for start in range(0, keys.shape[2] // block_size * block_size, block_size):
                 end = start + block_size
                 part = torch.stack([keys[:, :, start:end], values[:, :, start:end]], dim=1)
-                decoded = kv_codec.decode(kv_codec.encode(part, codec), codec, tuple(part.shape), keys.dtype)
+                decoded = codec_tensors.decode(codec_tensors.encode(part, codec), codec, tuple(part.shape), keys.dtype)
                 keys[:, :, start:end], values[:, :, start:end] = decoded[:, 0], decoded[:, 1]
         copy.update(keys, values, layer_idx)
     return copy
@@ -107,8 +109,9 @@ def compare(model, prompts: list[list[int]], reference: str | None, codecs: list
             for codec, rows in seen.items()}
 
 
-def check(local: LocalModel, cfg: ModelConfig, min_agreement: float) -> CodecQuality:
-    """Measure KITE_KV_CODEC against lossless storage; ConfigError (with the figure) below the floor."""
+def check(local: LocalModel, cfg: ModelConfig, min_agreement: float) -> dict[str, CodecQuality]:
+    """Measure each lossy codec of the tiers (KITE_KV_CODEC, _WARM, _COLD) against lossless storage;
+    ConfigError (with the figure) when one is below the floor."""
     started = time.monotonic()
     tokenizer, model = load_tokenizer(local), load_causal_lm(local, cfg)
     prompts = []
@@ -118,14 +121,20 @@ def check(local: LocalModel, cfg: ModelConfig, min_agreement: float) -> CodecQua
                                             add_generation_prompt=True, tokenize=True)
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     lossless = TORCH_DTYPE_TO_CODEC[cfg.kv_storage_dtype]
-    quality = compare(model, prompts, lossless, [cfg.kv_codec], GUARD_TOKENS, cfg.block_size)[cfg.kv_codec]
+    codecs = list(cfg.tier_codecs.lossy)
+    qualities = compare(model, prompts, lossless, codecs, GUARD_TOKENS, cfg.block_size)
     del model
-    summary = (f"KV codec {cfg.kv_codec}: {100 * quality.agreement:.1f}% of greedy tokens equal to lossless "
-               f"{lossless} storage ({quality.num_identical} of {quality.num_prompts} continuations identical, "
-               f"first-token KL mean {quality.kl_mean:.1e}), measured in {time.monotonic() - started:.0f} s")
-    if quality.agreement < min_agreement:
-        raise ConfigError(f"{summary}: below KITE_KV_CODEC_MIN_AGREEMENT={min_agreement:g}; refusing to store "
-                          f"KV with it (lower the floor to accept these answers, or unset KITE_KV_CODEC)")
-    log.warning("%s: at or above the floor %g; reused KV is lossy (answers may differ from recomputation)",
-                summary, min_agreement)
-    return quality
+    elapsed = time.monotonic() - started
+    for codec in codecs:
+        quality = qualities[codec]
+        names = [t for t in TIERS if getattr(cfg.tier_codecs, t) == codec]
+        tiers = f"{names[0]} tier" if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]} tiers"
+        summary = (f"KV codec {codec} ({tiers}): {100 * quality.agreement:.1f}% of greedy tokens equal to "
+                   f"lossless {lossless} storage ({quality.num_identical} of {quality.num_prompts} continuations "
+                   f"identical, first-token KL mean {quality.kl_mean:.1e}), measured in {elapsed:.0f} s")
+        if quality.agreement < min_agreement:
+            raise ConfigError(f"{summary}: below KITE_KV_CODEC_MIN_AGREEMENT={min_agreement:g}; refusing to store "
+                              f"KV with it (lower the floor to accept these answers, or make that tier lossless)")
+        log.warning("%s: at or above the floor %g; KV reused from the %s is lossy (answers may differ "
+                    "from recomputation)", summary, min_agreement, tiers)
+    return qualities

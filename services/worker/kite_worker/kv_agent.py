@@ -39,11 +39,13 @@ from kite_shared import kv_codec
 from kite_shared.config import CommonConfig, TierConfig, load
 from kite_shared.endpoints import run_every
 from kite_shared.fingerprint import BlockHash
-from kite_shared.recyclable_unit import RecyclableUnit, payload_bytes
+from kite_shared.recyclable_unit import RecyclableUnit
 from kite_shared.security import ru_key, tenant_tag
 from kite_shared.service import connect_nats, nats_auth_options
+from kite_shared.tier_codecs import TierCodecs
 from kite_shared.tiers.client import TierClient
 from kite_shared.tiers.pool_client import PoolClient
+from kite_worker import codec_tensors
 from kite_worker.kv_plan import SavedBlockInfo
 from kite_worker.pool_loader import CostModel, PoolLoader
 from kite_worker.staging_arena import ARENA_FILE, StagingArena
@@ -62,7 +64,9 @@ class AgentOptions:
     pool_read: bool
     pool_write: bool
     staging_bytes: int  # the staging arena's size: slots for staged loads (KITE_VLLM_STAGING_MIB)
-    kv_codec: str = ""  # KITE_KV_CODEC: units are saved and loaded through this lossy codec; "": as they are
+    # The codec of each tier: units are saved in the hot tier's (KITE_KV_CODEC) and name the others';
+    # lossy units load only in a codec one of them has.
+    tier_codecs: TierCodecs = TierCodecs()
     fetch_timeout_s: float = 5.0  # hard cap on top of the cost model's deadline
     save_wait_s: float = 10.0  # how long a planned save may take to appear before it is given up
 
@@ -78,21 +82,23 @@ class ConnectorOptions:
     pool_read: bool
     pool_write: bool
     staging_bytes: int  # the staging arena's size
-    kv_codec: str = ""  # KITE_KV_CODEC (lossy) or "" (lossless)
+    tier_codecs: TierCodecs = TierCodecs()  # in the extra config as its fingerprint form ("kv_codec")
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorOptions":
         return cls(model_fingerprint=extra["model_fingerprint"], worker_id=extra["worker_id"],
                    staging_dir=Path(extra["staging_dir"]), storage_dtype=getattr(torch, extra["storage_dtype"]),
                    pool_read=bool(extra["pool_read"]), pool_write=bool(extra["pool_write"]),
-                   staging_bytes=int(extra["staging_bytes"]), kv_codec=str(extra.get("kv_codec", "")))
+                   staging_bytes=int(extra["staging_bytes"]),
+                   tier_codecs=TierCodecs.from_fingerprint(str(extra.get("kv_codec", ""))))
 
     @staticmethod
     def extra_config(model_fingerprint: str, worker_id: str, staging_dir: Path, storage_dtype: str,
-                     pool_read: bool, pool_write: bool, staging_bytes: int, kv_codec: str = "") -> dict[str, Any]:
+                     pool_read: bool, pool_write: bool, staging_bytes: int,
+                     tier_codecs: TierCodecs = TierCodecs()) -> dict[str, Any]:
         return {"model_fingerprint": model_fingerprint, "worker_id": worker_id, "staging_dir": str(staging_dir),
                 "storage_dtype": storage_dtype, "pool_read": pool_read, "pool_write": pool_write,
-                "staging_bytes": staging_bytes, "kv_codec": kv_codec}
+                "staging_bytes": staging_bytes, "kv_codec": tier_codecs.fingerprint}
 
 
 def kv_events_endpoint(worker_id: str) -> str:
@@ -109,8 +115,9 @@ class KVAgent:
         self.options = options
         self._ru_key = ru_key()  # once: ru_key() reads the configuration
         self.block_bytes = _numel(options.unit_shape) * torch.empty(0, dtype=options.storage_dtype).element_size()
-        # What a unit weighs in a tier (a lossy codec's payload is smaller than the staged block).
-        self.cost = CostModel(options.block_size, payload_bytes(self.unit_codec, tuple(options.unit_shape)))
+        # What a unit weighs in each tier (a lossy codec's payload is smaller than the staged block).
+        self.cost = CostModel.for_units(options.block_size, tuple(options.unit_shape), options.storage_dtype,
+                                        options.tier_codecs)
         options.staging_dir.mkdir(parents=True, exist_ok=True)
         self.arena = StagingArena.create(options.staging_dir / ARENA_FILE, self.block_bytes,
                                          max(1, options.staging_bytes // self.block_bytes))
@@ -150,7 +157,7 @@ class KVAgent:
         self.loader = PoolLoader(self.pool, tier_client, self.cost, self.options.model_fingerprint,
                                  self.options.unit_shape, self.options.storage_dtype, mac_key=self._ru_key,
                                  staging_bytes=0,  # staging is the files below, not the loader's memory
-                                 kv_codec=self.options.kv_codec)
+                                 tier_codecs=self.options.tier_codecs)
         self._announcements: asyncio.Queue[list[tuple[str, str, list[BlockHash]]]] = asyncio.Queue()
         self._announced_models: set[str] = set()  # model fingerprints (hex) with blocks announced stored
         # No service runtime in vLLM's process: the same periodic work that survives failures, ended with the loop.
@@ -332,20 +339,22 @@ class KVAgent:
     @property
     def unit_codec(self) -> str:
         """What saved units are stored in: KITE_KV_CODEC, or the storage dtype's lossless codec."""
-        return kv_codec.unit_codec(self.options.storage_dtype, self.options.kv_codec)
+        return kv_codec.unit_codec(self.options.storage_dtype, self.options.tier_codecs.hot)
 
     def _encode(self, info: SavedBlockInfo, path: Path) -> bytes:
         payload = path.read_bytes()
         if len(payload) != self.block_bytes:
             raise OSError(f"{path.name}: {len(payload)} bytes, expected {self.block_bytes}")
-        if self.options.kv_codec:
+        tier_codecs = self.options.tier_codecs
+        if tier_codecs.hot:
             block = torch.frombuffer(bytearray(payload), dtype=self.options.storage_dtype).view(self.options.unit_shape)
-            payload = kv_codec.encode(block, self.options.kv_codec)
+            payload = codec_tensors.encode(block, tier_codecs.hot)
         return RecyclableUnit(
             block_hash=bytes(info.block_hash), parent_hash=bytes(info.parent_hash),
             model_fingerprint=info.model_fingerprint, block_index=info.block_index,
             num_tokens=self.options.block_size, codec=self.unit_codec, shape=tuple(self.options.unit_shape),
-            payload=payload, tenant_tag=tenant_tag(info.tenant),
+            payload=payload, tenant_tag=tenant_tag(info.tenant), warm_codec=tier_codecs.warm,
+            cold_codec=tier_codecs.cold,
         ).encode(key=self._ru_key)
 
     # --- what this worker holds (listener thread) ------------------------------------------------------------

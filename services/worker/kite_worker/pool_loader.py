@@ -29,9 +29,11 @@ import torch
 
 from kite_shared import kv_codec
 from kite_shared.fingerprint import BlockHash
-from kite_shared.recyclable_unit import RecyclableUnit, RUError
+from kite_shared.recyclable_unit import RecyclableUnit, RUError, payload_bytes
 from kite_shared.security import ANONYMOUS_TENANT, tenant_tag
+from kite_shared.tier_codecs import TierCodecs
 from kite_shared.tiers.base import check_units
+from kite_worker import codec_tensors
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ class CostModel:
     """Pure: estimates and the load-or-recompute decision. Tier letters: h (pool memory), w, c."""
 
     block_size: int
-    block_bytes: int
+    block_bytes: int  # of a unit as workers write it (the hot tier's codec)
     prefill_seconds_per_token: float = 0.003  # replaced by the engine's measurement
     # Seeds, replaced by this worker's own fetches: bench/bench_data_plane.py on the 2-core CI machine
     # (2026-12-01, verified reads of 128 blocks), rounded down. Hot: 820-1,445 MB/s on the pool's block
@@ -67,12 +69,24 @@ class CostModel:
         "c": TierEstimate(latency_s=0.010, bytes_per_s=100e6),
     })
 
+    # A unit's bytes in the tiers whose codec differs from the hot tier's (a lossy warm or cold tier).
+    tier_block_bytes: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def for_units(cls, block_size: int, shape: tuple[int, ...], storage_dtype: torch.dtype,
+                  tier_codecs: TierCodecs) -> CostModel:
+        """The cost model of units of `shape`, stored as `tier_codecs` says."""
+        def size(lossy_codec: str) -> int:
+            return payload_bytes(kv_codec.unit_codec(storage_dtype, lossy_codec), shape)
+        return cls(block_size, size(tier_codecs.hot),
+                   tier_block_bytes={"w": size(tier_codecs.warm), "c": size(tier_codecs.cold)})
+
     def fetch_seconds(self, letters: bytes) -> float:
         total = 0.0
         for letter in {chr(c) for c in letters}:
             estimate = self.tiers[letter]
-            count = letters.count(ord(letter))
-            total += estimate.latency_s + count * self.block_bytes / estimate.bytes_per_s
+            num_bytes = letters.count(ord(letter)) * self.tier_block_bytes.get(letter, self.block_bytes)
+            total += estimate.latency_s + num_bytes / estimate.bytes_per_s
         return total
 
     def recompute_seconds(self, num_blocks: int) -> float:
@@ -90,7 +104,7 @@ class CostModel:
 class PoolLoader:
     def __init__(self, pool, tier_client, cost: CostModel, model_fingerprint: str,
                  block_shape: tuple[int, ...], storage_dtype: torch.dtype, mac_key: bytes | None,
-                 staging_bytes: int = 64 << 20, kv_codec: str = "") -> None:
+                 staging_bytes: int = 64 << 20, tier_codecs: TierCodecs = TierCodecs()) -> None:
         self.pool = pool  # kite_shared.tiers.pool_client.PoolClient
         self.tier_client = tier_client  # kite_shared.tiers.client.TierClient | None
         self.cost = cost
@@ -99,9 +113,9 @@ class PoolLoader:
         self.storage_dtype = storage_dtype
         self.mac_key = mac_key  # cluster RU key: a unit without a valid MAC is never loaded
         self.staging_bytes = staging_bytes
-        # KITE_KV_CODEC: the lossy codec this worker's namespace stores (its fingerprint says so), or "":
-        # then only lossless units load.
-        self.kv_codec = kv_codec
+        # The codecs this worker's namespace stores (its fingerprint says so): lossy units load only when
+        # one of its tiers has their codec.
+        self.tier_codecs = tier_codecs
         self._staged: OrderedDict[BlockHash, torch.Tensor] = OrderedDict()
         self._staged_bytes = 0
         self._lock = asyncio.Lock()
@@ -263,12 +277,12 @@ class PoolLoader:
     def _to_tensor(self, block_hash: BlockHash, unit: RecyclableUnit | None) -> torch.Tensor | None:
         if unit is None:
             return None
-        if unit.codec not in kv_codec.LOSSLESS and unit.codec != self.kv_codec:
+        if unit.codec not in codec_tensors.LOSSLESS and unit.codec not in self.tier_codecs.lossy:
             # A lossy unit is not the block that was computed: only a namespace that chose the codec
             # (its fingerprint holds it) may load it.
             self.num_rejected += 1
             log.warning("pool block %s is %s (lossy): this worker loads %s", bytes(block_hash).hex()[:16],
-                        unit.codec, self.kv_codec or "exact KV only")
+                        unit.codec, ", ".join(self.tier_codecs.lossy) or "exact KV only")
             return None
         if tuple(unit.shape) != tuple(self.block_shape):
             self.num_rejected += 1
@@ -278,7 +292,7 @@ class PoolLoader:
         payload = unit.payload
         if unit.codec in kv_codec.LOSSY:
             try:
-                return kv_codec.decode(payload, unit.codec, tuple(unit.shape), self.storage_dtype)
+                return codec_tensors.decode(payload, unit.codec, tuple(unit.shape), self.storage_dtype)
             except kv_codec.CodecError as exc:  # a valid MAC over bad scales: a writer's bug, still a miss
                 self.num_rejected += 1
                 log.warning("pool block %s does not decode: %s", bytes(block_hash).hex()[:16], exc)
@@ -287,5 +301,5 @@ class PoolLoader:
             # Bytes that arrived in a NATS reply or a tier read: torch needs writable memory of its own.
             # (A mapped hand-off file is writable copy-on-write memory already: used as it is.)
             payload = bytearray(payload)
-        tensor = torch.frombuffer(payload, dtype=kv_codec.LOSSLESS[unit.codec]).reshape(unit.shape)
+        tensor = torch.frombuffer(payload, dtype=codec_tensors.LOSSLESS[unit.codec]).reshape(unit.shape)
         return tensor.to(self.storage_dtype)

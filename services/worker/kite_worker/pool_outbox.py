@@ -20,7 +20,9 @@ from prometheus_client import Counter
 from kite_shared import kv_codec
 from kite_shared.recyclable_unit import RecyclableUnit
 from kite_shared.security import ru_key
+from kite_shared.tier_codecs import TierCodecs
 from kite_shared.tiers.pool_client import PoolClient
+from kite_worker import codec_tensors
 from kite_worker.block_cache import CacheEvent
 from kite_worker.engine import NewBlock
 from kite_worker.write_policy import WritePolicyFilter
@@ -34,11 +36,11 @@ _POLL_S = 0.25  # a thread waits this long for a block: never longer, so shutdow
 
 class PoolOutbox:
     def __init__(self, pool: PoolClient, writes: WritePolicyFilter, enabled: bool,
-                 loop: asyncio.AbstractEventLoop, kv_codec: str = "") -> None:
+                 loop: asyncio.AbstractEventLoop, tier_codecs: TierCodecs = TierCodecs()) -> None:
         self.pool = pool
         self.writes = writes
         self.enabled = enabled  # KITE_WORKER_POOL_WRITE
-        self.kv_codec = kv_codec  # KITE_KV_CODEC: lossy units, or "" for the blocks as they are
+        self.tier_codecs = tier_codecs  # the codec of each tier (units are written in the hot tier's)
         self._ru_key = ru_key()  # once: ru_key() reads the configuration
         self._loop = loop
         self._blocks: queue.Queue[NewBlock] = queue.Queue(maxsize=POOL_OUTBOX_BLOCKS)
@@ -93,17 +95,17 @@ class PoolOutbox:
             await asyncio.sleep(0.05)
 
     def encode_block(self, block: NewBlock) -> bytes:
-        return encode_block(block, self._ru_key, self.kv_codec)
+        return encode_block(block, self._ru_key, self.tier_codecs)
 
 
-def encode_block(block: NewBlock, key: bytes, lossy_codec: str = "") -> bytes:
+def encode_block(block: NewBlock, key: bytes, tier_codecs: TierCodecs = TierCodecs()) -> bytes:
     """A block as the recyclable unit the pool stores, signed with the cluster's RU key: its elements as
-    they are, or through `lossy_codec` (KITE_KV_CODEC)."""
+    they are, or through the hot tier's lossy codec (KITE_KV_CODEC), naming the warm and cold tiers'."""
     kv = block.kv
-    codec = kv_codec.unit_codec(kv.dtype, lossy_codec)
+    codec = kv_codec.unit_codec(kv.dtype, tier_codecs.hot)
     return RecyclableUnit(
         block_hash=bytes(block.block_hash), parent_hash=bytes(block.parent_hash),
         model_fingerprint=block.model_fingerprint, block_index=block.block_index,
-        num_tokens=kv.shape[3], codec=codec, shape=tuple(kv.shape), payload=kv_codec.encode(kv, codec),
-        tenant_tag=block.tenant_tag,
+        num_tokens=kv.shape[3], codec=codec, shape=tuple(kv.shape), payload=codec_tensors.encode(kv, codec),
+        tenant_tag=block.tenant_tag, warm_codec=tier_codecs.warm, cold_codec=tier_codecs.cold,
     ).encode(key=key)

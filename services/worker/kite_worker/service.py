@@ -31,13 +31,12 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from typing import Callable
 
-from kite_shared import adapters, kv_codec, model_store, subjects
+from kite_shared import adapters, model_store, subjects
 from kite_shared.adapters import Adapter, AdapterRefused
 from kite_shared.config import TierConfig, WorkerConfig, load
 from kite_shared.endpoints import Endpoint, Refusal
 from kite_shared.messages import (AdapterAdminReply, AdapterAdminRequest, Admission, Cancel, ErrorInfo, Message,
                                   ShadowCheckResult, StreamEnd, StreamError, TokenizedRequest)
-from kite_shared.recyclable_unit import payload_bytes
 from kite_shared.security import ru_key
 from kite_shared.service import ServiceRuntime, nats_auth_options
 from kite_shared.tiers.client import TierClient
@@ -98,7 +97,7 @@ class WorkerService:
         # A TLS block stream is verified like NATS: with the cluster's CA (KITE_NATS_TLS_CA).
         self.pool = PoolClient(rt.nc, worker_id=rt.instance_id, stream_ssl=nats_auth_options(rt.common).get("tls"))
         self.outbox = PoolOutbox(self.pool, self.writes, cfg.pool_write, self.loop,
-                                 kv_codec=loaded.identity.execution.kv_codec)
+                                 tier_codecs=loaded.identity.execution.tier_codecs)
         shadow = None
         if cfg.shadow_fraction > 0 and loaded.engine.options.reuse:
             shadow = ShadowVerifier.for_storage_dtype(cfg.shadow_fraction, loaded.identity.execution.kv_storage_dtype,
@@ -148,10 +147,11 @@ class WorkerService:
         engine = self.loaded.engine
         layout = self.loaded.identity.model.layout
         shape = (layout.num_layers, 2, layout.num_kv_heads, layout.block_size, layout.head_dim)
-        codec = kv_codec.unit_codec(engine.options.storage_dtype, self.loaded.identity.execution.kv_codec)
-        return PoolLoader(self.pool, self.tier_client, CostModel(layout.block_size, payload_bytes(codec, shape)),
+        tier_codecs = self.loaded.identity.execution.tier_codecs
+        return PoolLoader(self.pool, self.tier_client,
+                          CostModel.for_units(layout.block_size, shape, engine.options.storage_dtype, tier_codecs),
                           self.loaded.identity.fingerprint_hex, shape, engine.options.storage_dtype,
-                          mac_key=ru_key(), kv_codec=self.loaded.identity.execution.kv_codec)
+                          mac_key=ru_key(), tier_codecs=tier_codecs)
 
     @property
     def pool_read(self) -> bool:

@@ -22,6 +22,16 @@ TIER_INTEGRITY_FAILURES = Counter(
     "kite_tier_integrity_failures_total",
     "Stored units that failed verification (checksum, format, or not the block asked for); each was "
     "deleted and treated as a miss.", ["tier"])
+TIER_TRANSCODES = Counter(
+    "kite_tier_transcodes_total",
+    "Units the ru-pool re-encoded into a tier's lossy codec on their way down (kite_shared.tier_codecs).",
+    ["tier", "codec"])
+TIER_TRANSCODE_REFUSALS = Counter(
+    "kite_tier_transcode_refusals_total",
+    "Units with no form in their tier's lossy codec (non-finite values), stored losslessly instead.")
+TIER_TRANSCODE_SECONDS = Histogram(
+    "kite_tier_transcode_seconds", "Time to verify, re-encode and sign one unit in a lossy codec.",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25))
 POOL_LOOKUP_SECONDS = Histogram(
     "kite_pool_lookup_seconds", "Time the ru-pool spends answering one lookup (decode to encode).",
     buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05))
