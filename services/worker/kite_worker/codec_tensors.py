@@ -14,8 +14,10 @@ import numpy as np
 import torch
 
 from kite_shared import kv_codec
+from kite_shared.recyclable_unit import TORCH_DTYPE_TO_CODEC
 
-LOSSLESS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}  # codec -> torch dtype
+# codec -> torch dtype, from the unit format's own table of lossless codecs
+LOSSLESS = {codec: getattr(torch, dtype) for dtype, codec in TORCH_DTYPE_TO_CODEC.items()}
 
 
 def to_array(block: torch.Tensor) -> np.ndarray:
