@@ -189,10 +189,15 @@ async def run_every(interval_s: float | Callable[[], float], work: Callable[[], 
     """`work()` now and then every `interval_s` seconds (a number, or a function read each round, for a
     setting that can change), until cancelled. See the module docstring for how failures are handled."""
     last_error = ""
+    task = asyncio.current_task()
     while True:
         try:
             await work()
             last_error = ""
+            if task is not None and task.cancelling():
+                # Python 3.11's asyncio.wait_for (in `work`, in nats.py) returns its result when it is
+                # cancelled just as its inner future completes, swallowing the cancel: end here anyway.
+                raise asyncio.CancelledError
         except asyncio.CancelledError:
             raise
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
@@ -206,3 +211,16 @@ async def run_every(interval_s: float | Callable[[], float], work: Callable[[], 
             else:
                 log.debug("%s failed again: %r", what, exc)
         await asyncio.sleep(interval_s() if callable(interval_s) else interval_s)
+
+
+async def cancel_and_wait(tasks: list[asyncio.Task], recancel_interval_s: float = 0.5) -> None:
+    """Cancel `tasks` and wait until every one has ended. A task whose cancel was swallowed (Python 3.11's
+    wait_for, see run_every) is cancelled again each `recancel_interval_s`, so a stop never hangs on it."""
+    pending = set(tasks)
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=recancel_interval_s)
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("%s ended with %r while being stopped", task.get_name(), task.exception())

@@ -42,7 +42,7 @@ from prometheus_client import Counter
 
 from kite_shared import subjects
 from kite_shared.config import CommonConfig, ConfigError, default_instance_id, load
-from kite_shared.endpoints import Endpoint, request_id_var, run_every, tenant_var  # noqa: F401 (re-exported)
+from kite_shared.endpoints import Endpoint, cancel_and_wait, request_id_var, run_every, tenant_var  # noqa: F401 (re-exported)
 from kite_shared.messages import Heartbeat, Message, Ping, Pong
 from kite_shared.security import redact_url
 from kite_shared.tracing import current_trace_id, setup_tracing
@@ -385,9 +385,7 @@ class ServiceRuntime:
                 log.debug("final heartbeat not sent: %s", exc)
         for callback in self._drain_callbacks:
             await callback()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         await self._close_connection()
 
     async def _close_connection(self) -> None:

@@ -10,7 +10,8 @@ import logging
 import nats.errors
 import pytest
 
-from kite_shared.endpoints import ENDPOINT_MESSAGES, Endpoint, Refusal, request_id_var, run_every, tenant_var
+from kite_shared.endpoints import (ENDPOINT_MESSAGES, Endpoint, Refusal, cancel_and_wait, request_id_var, run_every,
+                                   tenant_var)
 from kite_shared.messages import Admission, Cancel, ErrorInfo, PoolAdminReply, PoolAdminRequest
 
 
@@ -207,3 +208,48 @@ def test_the_request_context_comes_from_fields_or_properties_and_raw_payloads_ha
     assert asyncio.run(scenario(PoolAdminRequest(op="stats"))) == ("", "")  # tenant "": left unset
     assert asyncio.run(scenario(Cancel(request_id="r9"))) == ("r9", "")
     assert asyncio.run(scenario(b"a raw unit")) == ("", "")
+
+
+async def swallow_one_cancel(entered: asyncio.Event) -> None:
+    """As Python 3.11's asyncio.wait_for does when it is cancelled just as its inner future completes:
+    the CancelledError is caught and the result returned, so the caller runs on."""
+    entered.set()
+    try:
+        await asyncio.sleep(10)
+    except asyncio.CancelledError:
+        return
+
+
+def test_periodic_work_ends_even_when_its_work_swallowed_the_cancel():
+    rounds = []
+
+    async def work() -> None:
+        rounds.append(1)
+        entered = asyncio.Event()
+        await swallow_one_cancel(entered)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(run_every(0.0, work, "swallowing work"))
+        while not rounds:
+            await asyncio.sleep(0.001)
+        task.cancel()  # once: before the fix the loop went on forever and a stop hung on it
+        done, _ = await asyncio.wait({task}, timeout=2.0)
+        assert done == {task} and task.cancelled()
+
+    asyncio.run(scenario())
+    assert len(rounds) == 1
+
+
+def test_cancel_and_wait_cancels_again_a_task_that_swallowed_the_first_cancel():
+    async def stubborn() -> None:
+        entered = asyncio.Event()
+        await swallow_one_cancel(entered)  # the first cancel ends here and is lost
+        await asyncio.sleep(10)  # the second one ends the task
+
+    async def scenario() -> asyncio.Task:
+        task = asyncio.create_task(stubborn())
+        await asyncio.sleep(0.01)
+        await asyncio.wait_for(cancel_and_wait([task], recancel_interval_s=0.05), 2.0)
+        return task
+
+    assert asyncio.run(scenario()).cancelled()

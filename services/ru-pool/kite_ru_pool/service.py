@@ -38,6 +38,7 @@ from nats.aio.client import Client as NATS
 
 from kite_shared import security, subjects
 from kite_shared.config import CommonConfig, ConfigError, RuPoolConfig, TierConfig, load
+from kite_shared.endpoints import cancel_and_wait
 from kite_shared.messages import PoolAdminReply
 from kite_shared.service import ServiceRuntime
 from kite_shared.tiers import handoff
@@ -175,9 +176,7 @@ class PoolService:
             except Exception as exc:  # connection already closing: nothing more to unsubscribe
                 log.debug("unsubscribe failed: %r", exc)
         self._subs = []
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         self._tasks = []
         unfinished = await self.background.finish(timeout_s)
         if unfinished:
