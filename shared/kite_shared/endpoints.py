@@ -194,7 +194,7 @@ async def run_every(interval_s: float | Callable[[], float], work: Callable[[], 
         try:
             await work()
             last_error = ""
-            if task is not None and task.cancelling():
+            if task.cancelling():
                 # Python 3.11's asyncio.wait_for (in `work`, in nats.py) returns its result when it is
                 # cancelled just as its inner future completes, swallowing the cancel: end here anyway.
                 raise asyncio.CancelledError
@@ -222,5 +222,6 @@ async def cancel_and_wait(tasks: list[asyncio.Task], recancel_interval_s: float 
             task.cancel()
         _, pending = await asyncio.wait(pending, timeout=recancel_interval_s)
     for task in tasks:
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("%s ended with %r while being stopped", task.get_name(), task.exception())
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            log.warning("%s ended with %r while being stopped", task.get_name(), error)

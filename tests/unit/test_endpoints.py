@@ -210,10 +210,9 @@ def test_the_request_context_comes_from_fields_or_properties_and_raw_payloads_ha
     assert asyncio.run(scenario(b"a raw unit")) == ("", "")
 
 
-async def swallow_one_cancel(entered: asyncio.Event) -> None:
+async def swallow_one_cancel() -> None:
     """As Python 3.11's asyncio.wait_for does when it is cancelled just as its inner future completes:
     the CancelledError is caught and the result returned, so the caller runs on."""
-    entered.set()
     try:
         await asyncio.sleep(10)
     except asyncio.CancelledError:
@@ -225,8 +224,7 @@ def test_periodic_work_ends_even_when_its_work_swallowed_the_cancel():
 
     async def work() -> None:
         rounds.append(1)
-        entered = asyncio.Event()
-        await swallow_one_cancel(entered)
+        await swallow_one_cancel()
 
     async def scenario() -> None:
         task = asyncio.create_task(run_every(0.0, work, "swallowing work"))
@@ -242,8 +240,7 @@ def test_periodic_work_ends_even_when_its_work_swallowed_the_cancel():
 
 def test_cancel_and_wait_cancels_again_a_task_that_swallowed_the_first_cancel():
     async def stubborn() -> None:
-        entered = asyncio.Event()
-        await swallow_one_cancel(entered)  # the first cancel ends here and is lost
+        await swallow_one_cancel()  # the first cancel ends here and is lost
         await asyncio.sleep(10)  # the second one ends the task
 
     async def scenario() -> asyncio.Task:
