@@ -12,7 +12,8 @@ per core, as the worker's pool loader verifies a fetch).
 
 | path | what a worker does | floor |
 |---|---|---|
-| hot, same host | `PoolClient.get`: one NATS request, the reply lends the pool's hot files, the worker maps them | one memcpy of the same bytes |
+| hot, same host, fetched again | `PoolClient.get`: one NATS request, the reply lends the pool's hot files, the worker maps them and keeps the mappings (`handoff.KeptMappings`), so the rounds after the first find them mapped | one memcpy of the same bytes |
+| hot, same host, first fetch | the same with nothing kept: every file mapped afresh, as for units the worker never fetched before | the same memcpy |
 | hot, another host | the same request; the reply carries a ticket, the worker reads the units from the pool's block stream (TCP, loopback here) | the same memcpy |
 | hot, over NATS | the same, units inline in the reply (the fallback when the stream is off or unreachable) | the same memcpy |
 | warm, direct | `RedisTier.get_units`: MGETs of 16 keys, each part verified on a thread while the next is read | one raw MGET of all the keys (redis-py + hiredis), nothing verified; and the same MGETs of 16, nothing verified |
@@ -20,7 +21,9 @@ per core, as the worker's pool loader verifies a fetch).
 | cold folder, direct | `LocalDirTier.get_unit` for every block at once | raw reads of the same files |
 
 Each measurement is the median of `--repeat` rounds; in each round the path and its floor run back to back,
-so drift on this noisy machine hits both alike. Ratios are path / floor of the same run.
+so drift on this noisy machine hits both alike. Ratios are path / floor of the same run. Each timing ends
+after one turn of the event loop, so what a path leaves to free (the asyncio future of its last thread
+call holds the units until then: munmaps, for mapped files) is counted in its own time, not the next's.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class Rounds:
     async def time(self, fn: Callable[[], Awaitable[int]], expect: int) -> None:
         started = time.perf_counter()
         got = await fn()
+        await asyncio.sleep(0)  # the frees this call left (see the module docstring) happen now
         self.seconds.append(time.perf_counter() - started)
         if got != expect:
             raise SystemExit(f"a path returned {got} of {expect} blocks: the benchmark is invalid")
@@ -133,6 +137,7 @@ async def main() -> None:
             except Exception:
                 await asyncio.sleep(0.1)
         lent = PoolClient(nc, get_timeout_s=10.0)
+        fresh = PoolClient(nc, get_timeout_s=10.0, keep_mapped_bytes=0)
         inline = PoolClient(nc, get_timeout_s=10.0, handoff=False, stream=False)
         streamed = PoolClient(nc, get_timeout_s=10.0, handoff=False)  # a worker on another host
         for _, data in chain_hot:
@@ -157,6 +162,9 @@ async def main() -> None:
 
         async def hot_lent() -> int:
             return verify_all(await lent.get(fp_hot, hashes_hot), hashes_hot, fp_hot, key)
+
+        async def hot_fresh() -> int:
+            return verify_all(await fresh.get(fp_hot, hashes_hot), hashes_hot, fp_hot, key)
 
         async def hot_inline() -> int:
             return verify_all(await inline.get(fp_hot, hashes_hot), hashes_hot, fp_hot, key)
@@ -202,11 +210,11 @@ async def main() -> None:
             return verify_all(payloads, hashes_hot, fp_hot, key)
 
         pairs = {name: (Rounds(total), Rounds(total))
-                 for name in ("hot", "hot_stream", "hot_inline", "warm", "warm_parts", "s3", "local")}
+                 for name in ("hot", "hot_fresh", "hot_stream", "hot_inline", "warm", "warm_parts", "s3", "local")}
         verification = Rounds(total)
-        floors = {"hot": memcpy, "hot_stream": memcpy, "hot_inline": memcpy, "warm": warm_floor,
+        floors = {"hot": memcpy, "hot_fresh": memcpy, "hot_stream": memcpy, "hot_inline": memcpy, "warm": warm_floor,
                   "warm_parts": warm_floor_parts, "s3": s3_floor, "local": local_floor}
-        paths = {"hot": hot_lent, "hot_stream": hot_streamed, "hot_inline": hot_inline, "warm": warm_path,
+        paths = {"hot": hot_lent, "hot_fresh": hot_fresh, "hot_stream": hot_streamed, "hot_inline": hot_inline, "warm": warm_path,
                  "warm_parts": warm_path, "s3": s3_path, "local": local_path}
         for name in paths:  # one unmeasured round each: connections, page cache, the pool's first replies
             await paths[name]()
@@ -218,7 +226,9 @@ async def main() -> None:
             await verification.time(verify_only, n)
 
         rows = [
-            ("hot, same host (lent hot files, mapped)", "hot", "memcpy of the same bytes",
+            ("hot, same host, fetched again (kept)", "hot", "memcpy of the same bytes",
+             f">= {HOT_TARGET_MB_S:,.0f} MB/s"),
+            ("hot, same host, first fetch (mapped)", "hot_fresh", "memcpy of the same bytes",
              f">= {HOT_TARGET_MB_S:,.0f} MB/s"),
             ("hot, another host: block stream (TCP)", "hot_stream", "memcpy of the same bytes", "(cross-host)"),
             ("hot, over NATS (inline reply)", "hot_inline", "memcpy of the same bytes", "(fallback)"),
@@ -234,13 +244,14 @@ async def main() -> None:
             path_rounds, floor_rounds = pairs[name]
             ratio = path_rounds.mb_s / floor_rounds.mb_s
             met = ""
-            if name == "hot":
+            if name in ("hot", "hot_fresh"):
                 met = "yes" if path_rounds.mb_s >= HOT_TARGET_MB_S else "NO"
             elif name in ("warm", "s3"):
                 met = "yes" if ratio >= RATIO_TARGET else "NO"
             print(f"{label:<42}{path_rounds.mb_s:>9,.0f}  {floor_label:<26}{floor_rounds.mb_s:>9,.0f}"
                   f"{ratio:>7.2f}  {target:<22} {met}")
         print(f"{'verification alone (decode, in memory)':<42}{verification.mb_s:>9,.0f}")
+        print(f"kept mappings: {lent.kept.num_hits} lent files found mapped, {lent.kept.num_mapped} mapped")
         raw_threads.shutdown()
     finally:
         await nc.close()

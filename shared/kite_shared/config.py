@@ -270,6 +270,12 @@ SETTINGS: tuple[Setting, ...] = (
             "until vLLM's model runner copies them in (and stay while unpinned for requests with the same "
             "prefix). Reserved at start, so a full /dev/shm stops the worker then, not mid-request. The "
             "default holds about 10,000 tokens of the default model.", minimum=1),
+    Setting("KITE_WORKER_KEEP_MAPPED_MIB", int, "1024", WORKER,
+            "MiB of the ru-pool's hot files a worker on the pool's host keeps mapped between fetches, so "
+            "fetching the same blocks again maps nothing (kite_shared.tiers.handoff.KeptMappings; every "
+            "fetch is still verified). While the pool holds a file this costs page tables only; a file the "
+            "pool has removed stays in memory until the next fetch lets its mapping go. 0: map afresh on "
+            "every fetch.", minimum=0),
     Setting("KITE_WORKER_POOL_READ", bool, "on", WORKER,
             "Load missing prefix blocks from the ru-pool's tiers when the cost model says loading beats "
             "recomputing."),
@@ -664,6 +670,7 @@ class WorkerConfig:
     vllm_max_loras: int = env("KITE_VLLM_MAX_LORAS")
     vllm_staging_dir: Path = env("KITE_VLLM_STAGING_DIR")
     vllm_staging_mib: int = env("KITE_VLLM_STAGING_MIB")
+    keep_mapped_mib: int = env("KITE_WORKER_KEEP_MAPPED_MIB")
     metrics_port: int = env("KITE_METRICS_PORT")
     standby: bool = env("KITE_WORKER_STANDBY")
     write_policy: str = env("KITE_WORKER_WRITE_POLICY")

@@ -267,6 +267,35 @@ async def test_a_damaged_hot_file_is_a_miss_from_that_block_on(pools, client):
                        torch.frombuffer(bytearray(decode(chain[1][1]).payload), dtype=torch.uint8))
 
 
+async def test_blocks_fetched_again_come_from_kept_mappings_and_are_still_verified(pools, client):
+    pool = await pools.start()
+    fp = new_fp()
+    chain = make_chain(fp, 4)
+    await put_chain(client, pool, chain)
+    hashes = [h for h, _ in chain]
+    first = await client.get(fp, hashes)
+    again = await client.get(fp, hashes)
+    assert again == [d for _, d in chain]
+    assert [u.obj for u in again] == [u.obj for u in first]  # nothing mapped the second time
+    assert (client.kept.num_mapped, client.kept.num_hits) == (4, 4)
+    path = pool.io.hot_files.lent_path(pool.core.hot.peek(BlockKey.of(fp, hashes[2])))
+    with open(path, "r+b") as f:  # damaged in place after the reader mapped it: its mapping shows it
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last ^ 0xFF]))
+    loader = same_host_loader(client, fp)
+    loaded = await loader.load(hashes, num_local=0)
+    assert [h for h, _ in loaded] == hashes[:2] and loader.num_rejected == 1  # verified as on any path
+    assert path not in client.kept._mappings and len(client.kept) == 3  # the damaged one is let go
+
+    await client.admin(PoolAdminRequest(op="evict", model_fingerprint=fp, block_hashes=hashes[3:]))
+    client.kept.recheck_s = 0.0
+    assert await client.get(fp, hashes[3:]) == []  # the pool no longer lends it: a miss
+    await client.get(fp, hashes[:1])  # a fetch looks for removed files and lets their mappings go
+    assert len(client.kept) == 2
+
+
 async def test_a_torn_reply_file_is_a_miss_from_that_block_on(pools, client):
     pool = await pools.start(hot_bytes=0)  # nothing hot: units travel in reply files
     fp = new_fp()

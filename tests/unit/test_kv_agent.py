@@ -164,5 +164,6 @@ def test_a_saved_block_becomes_a_unit_of_the_configured_codec(tmp_path):
     # The worker's front end hands the codec to the connector in vLLM's kv_connector_extra_config.
     for tier_codecs in (TierCodecs.from_settings("int8"), TierCodecs.from_settings("", cold="fp8_e4m3")):
         extra = ConnectorOptions.extra_config("ab" * 32, "w", tmp_path, "float16", True, True, 1 << 20,
-                                              tier_codecs=tier_codecs)
-        assert ConnectorOptions.from_extra_config(extra).tier_codecs == tier_codecs
+                                              keep_mapped_bytes=3 << 20, tier_codecs=tier_codecs)
+        options = ConnectorOptions.from_extra_config(extra)
+        assert options.tier_codecs == tier_codecs and options.keep_mapped_bytes == 3 << 20

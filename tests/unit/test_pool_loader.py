@@ -10,6 +10,7 @@ from kite_shared import kv_codec, recyclable_unit
 from kite_shared.recyclable_unit import RecyclableUnit
 from kite_shared.security import ANONYMOUS_TENANT_TAG
 from kite_shared.tier_codecs import TierCodecs
+from kite_shared.tiers.pool_client import PoolClient
 from kite_worker import codec_tensors
 from kite_worker.pool_loader import CostModel, PoolLoader, TierEstimate
 
@@ -58,7 +59,8 @@ def test_a_fetch_is_verified_up_to_its_first_miss():
     encoded = [u.encode(key=key) for u in units]
     damaged = bytearray(encoded[3])
     damaged[-1] ^= 0xFF
-    loader = PoolLoader(None, None, model(0.003), fp, shape, torch.float16, key)
+    pool = PoolClient(None)  # never connected: `forget` of a rejected unit is the reader's own business
+    loader = PoolLoader(pool, None, model(0.003), fp, shape, torch.float16, key)
     hashes = [u.block_hash for u in units]
 
     # Mapped bytes, a unit a tier client verified, a miss, then damaged bytes nothing will load.

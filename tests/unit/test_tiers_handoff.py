@@ -9,6 +9,7 @@ import mmap
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -138,3 +139,67 @@ def test_an_empty_root_means_no_handoff(tmp_path):
 
 def test_host_id_is_stable():
     assert handoff.host_id() == handoff.host_id() != ""
+
+
+def hot_units(tmp_path, *contents: bytes) -> tuple[handoff.HotFiles, list, list[str]]:
+    """A pool's hot files holding `contents`: (the files, the pool's views, their lent paths)."""
+    hot = handoff.HotFiles(handoff.HandoffFolder(tmp_path))
+    views = [keep(hot, data) for data in contents]
+    return hot, views, [hot.lent_path(v) for v in views]
+
+
+def test_lent_files_fetched_again_come_from_the_kept_mappings(tmp_path):
+    _, views, paths = hot_units(tmp_path, b"a" * 10, b"b" * 20)
+    kept = handoff.KeptMappings(max_bytes=1 << 20)
+    first = handoff.map_units(paths, remove=False, kept=kept)
+    again = handoff.map_units(paths, remove=False, kept=kept)
+    assert [bytes(u) for u in again] == [b"a" * 10, b"b" * 20]
+    assert [u.obj for u in again] == [u.obj for u in first]  # the same mappings, nothing mapped twice
+    assert (kept.num_mapped, kept.num_hits, len(kept), kept.num_bytes) == (2, 2, 2, 30)
+    again[0][0] = ord("z")  # copy-on-write still: the pool's file is untouched
+    assert bytes(views[0]) == b"a" * 10
+
+
+def test_kept_mappings_are_bounded_least_recently_fetched_first_out(tmp_path):
+    _, _, paths = hot_units(tmp_path, b"1" * 10, b"2" * 10, b"3" * 10, b"4" * 100)
+    kept = handoff.KeptMappings(max_bytes=25)
+    handoff.map_units(paths[:2], remove=False, kept=kept)
+    handoff.map_units(paths[:1], remove=False, kept=kept)  # the first is now the most recent
+    handoff.map_units(paths[2:3], remove=False, kept=kept)  # 30 bytes > 25: the second goes
+    assert (len(kept), kept.num_bytes, kept.num_hits) == (2, 20, 1)
+    assert bytes(handoff.map_units(paths[1:2], remove=False, kept=kept)[0]) == b"2" * 10  # mapped afresh
+    assert kept.num_mapped == 4
+    assert bytes(handoff.map_units(paths[3:], remove=False, kept=kept)[0]) == b"4" * 100  # too large to keep
+    assert kept.num_bytes <= 25 and paths[3] not in kept._mappings
+
+
+def test_mappings_of_files_the_pool_removed_are_let_go_at_the_next_look(tmp_path):
+    _, views, paths = hot_units(tmp_path, b"x" * 10, b"y" * 10)
+    kept = handoff.KeptMappings(max_bytes=1 << 20, recheck_s=60.0)
+    handoff.map_units(paths, remove=False, kept=kept)
+    del views[1]  # the pool evicted the second unit: its file is removed
+    gc.collect()
+    assert not os.path.exists(paths[1])
+    assert kept.drop_removed(now=time.monotonic()) == 0 and len(kept) == 2  # not a minute since the last look
+    assert kept.drop_removed(now=time.monotonic() + 61.0) == 1
+    assert len(kept) == 1 and kept.num_bytes == 10
+    with pytest.raises(handoff.FilesGone):  # lent again (it cannot be: the pool holds no such unit) it is a miss
+        handoff.map_units(paths[1:], remove=False, kept=kept)
+
+
+def test_a_rejected_unit_is_never_served_from_its_kept_mapping_again(tmp_path):
+    _, _, paths = hot_units(tmp_path, b"x" * 10)
+    kept = handoff.KeptMappings(max_bytes=1 << 20)
+    (unit,) = handoff.map_units(paths, remove=False, kept=kept)
+    unit[0] = ord("!")  # say a consumer wrote into it: it no longer verifies
+    assert kept.forget(unit) and not kept.forget(unit) and len(kept) == 0
+    assert not kept.forget(memoryview(b"x" * 10))  # not a mapping
+    (fresh,) = handoff.map_units(paths, remove=False, kept=kept)
+    assert bytes(fresh) == b"x" * 10 and fresh.obj is not unit.obj  # the file's bytes, mapped afresh
+
+
+def test_reply_files_are_never_kept(tmp_path):
+    folder = handoff.HandoffFolder(tmp_path)
+    kept = handoff.KeptMappings(max_bytes=1 << 20)
+    units = handoff.map_units(folder.write_all([b"r" * 10]), remove=True, kept=kept)
+    assert [bytes(u) for u in units] == [b"r" * 10] and len(kept) == 0 and kept.num_mapped == 0

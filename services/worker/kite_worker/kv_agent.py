@@ -44,7 +44,7 @@ from kite_shared.security import ru_key, tenant_tag
 from kite_shared.service import connect_nats, nats_auth_options
 from kite_shared.tier_codecs import TierCodecs
 from kite_shared.tiers.client import TierClient
-from kite_shared.tiers.pool_client import PoolClient
+from kite_shared.tiers.pool_client import DEFAULT_KEEP_MAPPED_BYTES, PoolClient
 from kite_worker import codec_tensors
 from kite_worker.kv_plan import SavedBlockInfo
 from kite_worker.pool_loader import CostModel, PoolLoader
@@ -64,6 +64,8 @@ class AgentOptions:
     pool_read: bool
     pool_write: bool
     staging_bytes: int  # the staging arena's size: slots for staged loads (KITE_VLLM_STAGING_MIB)
+    # How much of the pool's hot files stays mapped between fetches (KITE_WORKER_KEEP_MAPPED_MIB).
+    keep_mapped_bytes: int = DEFAULT_KEEP_MAPPED_BYTES
     # The codec of each tier: units are saved in the hot tier's (KITE_KV_CODEC) and name the others';
     # lossy units load only in a codec one of them has.
     tier_codecs: TierCodecs = TierCodecs()
@@ -82,6 +84,7 @@ class ConnectorOptions:
     pool_read: bool
     pool_write: bool
     staging_bytes: int  # the staging arena's size
+    keep_mapped_bytes: int = DEFAULT_KEEP_MAPPED_BYTES  # the pool's hot files kept mapped between fetches
     tier_codecs: TierCodecs = TierCodecs()  # in the extra config as its fingerprint form ("kv_codec")
 
     @classmethod
@@ -90,15 +93,18 @@ class ConnectorOptions:
                    staging_dir=Path(extra["staging_dir"]), storage_dtype=getattr(torch, extra["storage_dtype"]),
                    pool_read=bool(extra["pool_read"]), pool_write=bool(extra["pool_write"]),
                    staging_bytes=int(extra["staging_bytes"]),
+                   keep_mapped_bytes=int(extra["keep_mapped_bytes"]),
                    tier_codecs=TierCodecs.from_fingerprint(str(extra.get("kv_codec", ""))))
 
     @staticmethod
     def extra_config(model_fingerprint: str, worker_id: str, staging_dir: Path, storage_dtype: str,
                      pool_read: bool, pool_write: bool, staging_bytes: int,
+                     keep_mapped_bytes: int = DEFAULT_KEEP_MAPPED_BYTES,
                      tier_codecs: TierCodecs = TierCodecs()) -> dict[str, Any]:
         return {"model_fingerprint": model_fingerprint, "worker_id": worker_id, "staging_dir": str(staging_dir),
                 "storage_dtype": storage_dtype, "pool_read": pool_read, "pool_write": pool_write,
-                "staging_bytes": staging_bytes, "kv_codec": tier_codecs.fingerprint}
+                "staging_bytes": staging_bytes, "keep_mapped_bytes": keep_mapped_bytes,
+                "kv_codec": tier_codecs.fingerprint}
 
 
 def kv_events_endpoint(worker_id: str) -> str:
@@ -149,7 +155,8 @@ class KVAgent:
         common = load(CommonConfig)
         nc = await connect_nats(common.nats_url, f"{self.options.worker_id}-kv", common)
         self.pool = PoolClient(nc, worker_id=self.options.worker_id,
-                               stream_ssl=nats_auth_options(common).get("tls"))  # verified like NATS
+                               stream_ssl=nats_auth_options(common).get("tls"),  # verified like NATS
+                               keep_mapped_bytes=self.options.keep_mapped_bytes)
         tier_client = None
         if self.options.pool_read:
             tier_client = TierClient.from_config(load(TierConfig))

@@ -163,7 +163,8 @@ class _SchedulerSide:
             worker_id=options.worker_id, model_fingerprint=options.model_fingerprint,
             block_size=self.block_size, unit_shape=unit_shape, storage_dtype=options.storage_dtype,
             staging_dir=options.staging_dir, pool_read=options.pool_read, pool_write=options.pool_write,
-            staging_bytes=options.staging_bytes, tier_codecs=options.tier_codecs))
+            staging_bytes=options.staging_bytes, keep_mapped_bytes=options.keep_mapped_bytes,
+            tier_codecs=options.tier_codecs))
         self.agent.start()
         self.mirror = LocalBlockMirror()
         self._mirror_lock = threading.Lock()  # learned on the scheduler thread, read by the event listener

@@ -269,6 +269,7 @@ class PoolLoader:
         for i, outcome in zip(crossed, outcomes):
             if isinstance(outcome, RUError):
                 self.num_rejected += 1
+                self.pool.forget(units[i])  # not served again from a kept mapping
                 log.warning("pool block %s rejected: %s", bytes(hashes[i]).hex()[:16], outcome)
             else:
                 verified[i] = outcome

@@ -95,7 +95,8 @@ class WorkerService:
         self.on_vllm = isinstance(loaded.engine, VllmEngine)
         self.writes = WritePolicyFilter(cfg.write_policy)
         # A TLS block stream is verified like NATS: with the cluster's CA (KITE_NATS_TLS_CA).
-        self.pool = PoolClient(rt.nc, worker_id=rt.instance_id, stream_ssl=nats_auth_options(rt.common).get("tls"))
+        self.pool = PoolClient(rt.nc, worker_id=rt.instance_id, stream_ssl=nats_auth_options(rt.common).get("tls"),
+                               keep_mapped_bytes=cfg.keep_mapped_mib << 20)
         self.outbox = PoolOutbox(self.pool, self.writes, cfg.pool_write, self.loop,
                                  tier_codecs=loaded.identity.execution.tier_codecs)
         shadow = None

@@ -29,17 +29,22 @@ from kite_shared.messages import (
 log = logging.getLogger(__name__)
 
 STREAM_RETRY_S = 60.0  # after the pool's block stream could not be reached, inline replies this long
+# How much of the pool's lent hot files a same-host reader keeps mapped by default (handoff.KeptMappings).
+DEFAULT_KEEP_MAPPED_BYTES = 1 << 30
 
 
 class PoolClient:
     def __init__(self, nc: NATS, worker_id: str = "", lookup_timeout_s: float = 0.1,
                  get_timeout_s: float = 2.0, admin_timeout_s: float = 30.0, handoff: bool = True,
-                 stream: bool = True, stream_ssl: ssl.SSLContext | None = None) -> None:
-        """`handoff`: accept same-host hand-off files. `stream`: accept the pool's block stream (TCP)
-        when the files do not apply; `stream_ssl` verifies a TLS stream (None: the system CAs). Both
-        off: units always inline in NATS replies."""
+                 stream: bool = True, stream_ssl: ssl.SSLContext | None = None,
+                 keep_mapped_bytes: int = DEFAULT_KEEP_MAPPED_BYTES) -> None:
+        """`handoff`: accept same-host hand-off files, keeping up to `keep_mapped_bytes` of the lent hot
+        files mapped for the next fetch of the same units (0: mapped afresh each time). `stream`: accept
+        the pool's block stream (TCP) when the files do not apply; `stream_ssl` verifies a TLS stream
+        (None: the system CAs). Both off: units always inline in NATS replies."""
         self.nc = nc
         self.handoff = handoff
+        self.kept = kite_handoff.KeptMappings(keep_mapped_bytes) if handoff and keep_mapped_bytes > 0 else None
         self.stream = stream
         self.stream_ssl = stream_ssl
         self._stream_retry_at = 0.0  # after a stream that could not be reached, inline until then
@@ -95,7 +100,7 @@ class PoolClient:
             if reply.unit_files:
                 try:
                     received = await asyncio.to_thread(kite_handoff.map_units, reply.unit_files,
-                                                       remove=not reply.files_lent)
+                                                       remove=not reply.files_lent, kept=self.kept)
                 except kite_handoff.FilesGone:
                     break  # evicted from the pool's hot tier since the reply: a miss from here on
                 except OSError as exc:
@@ -121,6 +126,11 @@ class PoolClient:
             if len(received) < len(reply.tiers) or not received or reply.complete:
                 break  # a miss, a lent file gone, a stream cut short: the rest is computed
         return units
+
+    def forget(self, unit: bytes | memoryview) -> None:
+        """A unit `get` returned failed verification: never serve it from a kept mapping again."""
+        if self.kept is not None:
+            self.kept.forget(unit)
 
     async def block_stored(self, model_fingerprint: str, block_hashes: Sequence[bytes]) -> None:
         await self._publish(subjects.POOL_BLOCK_EVENTS, BlockStored(
