@@ -12,6 +12,8 @@ import asyncio
 import logging
 from typing import Awaitable
 
+from kite_shared.endpoints import cancel_and_wait
+
 log = logging.getLogger(__name__)
 
 
@@ -40,10 +42,11 @@ class BackgroundTasks:
             await asyncio.gather(*list(self.tasks), return_exceptions=True)
 
     async def finish(self, timeout_s: float) -> int:
-        """Wait up to `timeout_s` for what runs now, then cancel the rest; returns how many were cut."""
+        """Wait up to `timeout_s` for what runs now, then cancel the rest and wait until it has ended (so
+        nothing runs on against tier clients the caller closes next; a cancel that Python 3.11's wait_for
+        swallowed is repeated: `cancel_and_wait`); returns how many were cut."""
         if not self.tasks:
             return 0
         _, pending = await asyncio.wait(set(self.tasks), timeout=timeout_s)
-        for task in pending:
-            task.cancel()
+        await cancel_and_wait(list(pending))
         return len(pending)

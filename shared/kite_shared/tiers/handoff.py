@@ -30,7 +30,7 @@ verifying 1,400 MB/s (the fresh pages' faults, not the copy, cost most).
 Readers keep their mappings of lent hot files between fetches (`KeptMappings`): a hot file's bytes never
 change, so the next fetch of the same unit needs no new mapping. Mapping afresh costs page-table work on
 every fetch (mmap, the first touch's faults, munmap when the units are dropped): 128 units of 369 KB on
-this 2-core machine, fetched and verified 40 times in a row, 19.7 ms a fetch mapped afresh against 13.1 ms
+this 2-core machine, fetched and verified 40 times in a row, 18.4 ms a fetch mapped afresh against 12.1 ms
 with the mappings kept (2026-12-03; docs/benchmarks.md). Every use is still verified by the caller.
 
 Who is on the same host: `host_id()`, the kernel's boot id (shared by the containers of one host). A
@@ -219,8 +219,10 @@ class KeptMappings:
     Why it is safe: a hot file is written under a temporary name, renamed into place and never rewritten,
     and no name in a pool's folder is used twice (`HandoffFolder.next_path`), so a mapping kept under a
     path holds that file's bytes for good. The pool still decides what is served (it lends only the paths
-    of units it holds), and the caller verifies every unit of every fetch. A unit the caller rejects
-    (`forget`) is never served from here again: its copy-on-write pages may have been written.
+    of units it holds), and the caller verifies every unit of every fetch. Fetches of the same unit share
+    its mapping, so a consumer must not write the bytes in place (none does: the vLLM agent copies them
+    into its staging arena, the transformers engine into each sequence's cache); a unit the caller
+    rejects (`forget`, as for such a write) is never served from here again.
     What it costs: while the pool's file lives, page tables only (the pages are the pool's). Once the
     pool removes a file (its unit left hot), a kept mapping would hold the pages alone, so mappings of
     removed files are let go at the first fetch `recheck_s` after the last look (one stat per kept file),
