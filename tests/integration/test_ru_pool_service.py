@@ -247,18 +247,22 @@ def same_host_loader(client: PoolClient, fp: str) -> PoolLoader:
     return PoolLoader(client, None, cost, fp, SHAPE, torch.float16, mac_key=ru_key())
 
 
+def flip_last_byte(path: str) -> None:
+    """One payload byte of a unit's file flipped in place (the file keeps its size)."""
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last ^ 0xFF]))
+
+
 async def test_a_damaged_hot_file_is_a_miss_from_that_block_on(pools, client):
     pool = await pools.start()
     fp = new_fp()
     chain = make_chain(fp, 4)
     await put_chain(client, pool, chain)
     hashes = [h for h, _ in chain]
-    path = pool.io.hot_files.lent_path(pool.core.hot.peek(BlockKey.of(fp, hashes[2])))
-    with open(path, "r+b") as f:  # one payload byte flipped in place (the file keeps its size)
-        f.seek(-1, os.SEEK_END)
-        last = f.read(1)[0]
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([last ^ 0xFF]))
+    flip_last_byte(pool.io.hot_files.lent_path(pool.core.hot.peek(BlockKey.of(fp, hashes[2]))))
     loader = same_host_loader(client, fp)
     loaded = await loader.load(hashes, num_local=0)
     assert [h for h, _ in loaded] == hashes[:2]  # the damaged block and what follows are computed
@@ -279,11 +283,7 @@ async def test_blocks_fetched_again_come_from_kept_mappings_and_are_still_verifi
     assert [u.obj for u in again] == [u.obj for u in first]  # nothing mapped the second time
     assert (client.kept.num_mapped, client.kept.num_hits) == (4, 4)
     path = pool.io.hot_files.lent_path(pool.core.hot.peek(BlockKey.of(fp, hashes[2])))
-    with open(path, "r+b") as f:  # damaged in place after the reader mapped it: its mapping shows it
-        f.seek(-1, os.SEEK_END)
-        last = f.read(1)[0]
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([last ^ 0xFF]))
+    flip_last_byte(path)  # damaged in place after the reader mapped it: its mapping shows it
     loader = same_host_loader(client, fp)
     loaded = await loader.load(hashes, num_local=0)
     assert [h for h, _ in loaded] == hashes[:2] and loader.num_rejected == 1  # verified as on any path
