@@ -212,10 +212,10 @@ async def main() -> None:
         pairs = {name: (Rounds(total), Rounds(total))
                  for name in ("hot", "hot_fresh", "hot_stream", "hot_inline", "warm", "warm_parts", "s3", "local")}
         verification = Rounds(total)
-        floors = {"hot": memcpy, "hot_fresh": memcpy, "hot_stream": memcpy, "hot_inline": memcpy, "warm": warm_floor,
-                  "warm_parts": warm_floor_parts, "s3": s3_floor, "local": local_floor}
-        paths = {"hot": hot_lent, "hot_fresh": hot_fresh, "hot_stream": hot_streamed, "hot_inline": hot_inline, "warm": warm_path,
-                 "warm_parts": warm_path, "s3": s3_path, "local": local_path}
+        floors = {"hot": memcpy, "hot_fresh": memcpy, "hot_stream": memcpy, "hot_inline": memcpy,
+                  "warm": warm_floor, "warm_parts": warm_floor_parts, "s3": s3_floor, "local": local_floor}
+        paths = {"hot": hot_lent, "hot_fresh": hot_fresh, "hot_stream": hot_streamed, "hot_inline": hot_inline,
+                 "warm": warm_path, "warm_parts": warm_path, "s3": s3_path, "local": local_path}
         for name in paths:  # one unmeasured round each: connections, page cache, the pool's first replies
             await paths[name]()
             await floors[name]()
