@@ -274,8 +274,8 @@ SETTINGS: tuple[Setting, ...] = (
             "MiB of the ru-pool's hot files a worker on the pool's host keeps mapped between fetches, so "
             "fetching the same blocks again maps nothing (kite_shared.tiers.handoff.KeptMappings; every "
             "fetch is still verified). While the pool holds a file this costs page tables only; a file the "
-            "pool has removed stays in memory until the next fetch lets its mapping go. 0: map afresh on "
-            "every fetch.", minimum=0),
+            "pool has removed stays in memory until later fetches find it gone (each looks at up to 64 kept "
+            "files). 0: map afresh on every fetch.", minimum=0),
     Setting("KITE_WORKER_POOL_READ", bool, "on", WORKER,
             "Load missing prefix blocks from the ru-pool's tiers when the cost model says loading beats "
             "recomputing."),

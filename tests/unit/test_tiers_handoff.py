@@ -203,3 +203,18 @@ def test_reply_files_are_never_kept(tmp_path):
     kept = handoff.KeptMappings(max_bytes=1 << 20)
     units = handoff.map_units(folder.write_all([b"r" * 10]), remove=True, kept=kept)
     assert [bytes(u) for u in units] == [b"r" * 10] and len(kept) == 0 and kept.num_mapped == 0
+
+
+def test_a_fetch_looks_for_a_bounded_number_of_removed_files_least_recently_fetched_first(tmp_path):
+    _, views, paths = hot_units(tmp_path, b"1" * 10, b"2" * 10, b"3" * 10)
+    kept = handoff.KeptMappings(max_bytes=1 << 20, recheck_s=60.0)
+    handoff.map_units(paths, remove=False, kept=kept)
+    handoff.map_units(paths[:1], remove=False, kept=kept)  # recency now 2, 3, 1
+    views.clear()  # the pool removed all three
+    gc.collect()
+    later = time.monotonic() + 61.0
+    assert kept.drop_removed(now=later, max_checks=2) == 2
+    assert list(kept._mappings) == [paths[0]]  # the two least recently fetched went first
+    assert kept.drop_removed(now=later, max_checks=2) == 1  # the pass goes on without waiting
+    assert len(kept) == 0 and kept.num_bytes == 0
+    assert kept.drop_removed(now=later, max_checks=2) == 0  # the next pass waits for recheck_s
