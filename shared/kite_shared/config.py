@@ -334,10 +334,12 @@ SETTINGS: tuple[Setting, ...] = (
             "Cold blocks not hit for this many seconds are deleted by the ru-pool sweeper; 0 keeps "
             "them forever.", minimum=0),
     Setting("KITE_TIER_TIMEOUT_S", float, "0.25", ("ru-pool", "worker", "gateway"),
-            "Per-operation timeout of the warm tier; a timeout marks the tier down (then retried "
-            "with exponential backoff).", minimum=0.001),
+            "Timeout of a warm-tier read (a request may wait on it); writes, deletes and listings, "
+            "which no request waits on, get max(10 x this, 5 s). A timeout marks the tier down (then "
+            "retried with exponential backoff).", minimum=0.001),
     Setting("KITE_COLD_TIMEOUT_S", float, "5.0", ("ru-pool", "worker"),
-            "Per-operation timeout of the cold tier (S3 or local folder).", minimum=0.001),
+            "Timeout of a cold-tier read (S3 or local folder); writes, deletes and listings get "
+            "max(10 x this, 5 s).", minimum=0.001),
     Setting("KITE_TIER_BACKOFF_MAX_S", float, "30", ("ru-pool", "worker"),
             "Longest wait before a down tier is tried again (backoff starts at 0.5 s and doubles).",
             minimum=0.01),

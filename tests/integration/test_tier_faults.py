@@ -396,6 +396,45 @@ async def test_a_refused_tier_fails_in_one_attempt(tier_name, s3_server, tmp_pat
             server.stop()
 
 
+@pytest.mark.parametrize("tier_name", ["warm", "cold"])
+async def test_a_write_outlasts_the_read_timeout(tier_name, s3_server, tmp_path):
+    """A tier slower than its read timeout still takes a write (which no request waits on: its deadline
+    is `background_timeout_s`), while a read of it is a miss at the read timeout and marks it down."""
+    server = start_redis(log_file=tmp_path / "redis-server.log") if tier_name == "warm" else None
+    upstream_port = server.port if server else s3_server.port
+    proxy = FaultProxy("127.0.0.1", upstream_port)
+    prefix = f"write-deadline-{uuid.uuid4().hex[:8]}/"
+
+    def tier_at(port: int, timeout_s: float) -> RedisTier | S3Tier:
+        if tier_name == "warm":
+            return RedisTier(f"redis://127.0.0.1:{port}/0", timeout_s=timeout_s)
+        return S3Tier(f"http://127.0.0.1:{port}", "kite-tier-faults", prefix=prefix, timeout_s=timeout_s)
+
+    slow, direct = tier_at(proxy.port, 0.2), tier_at(upstream_port, 5.0)  # direct: to check what was written
+    try:
+        assert slow.background_timeout_s == 5.0
+        assert await (direct.ping() if tier_name == "warm" else direct.ensure_bucket())
+        key, data = BlockKey.of("cd" * 32, b"\x02" * 32), bytes(range(256)) * 256  # 64 KiB
+        # Connected (and for S3, credentials resolved) while fast: what follows times the slow tier only.
+        assert await slow.put(key, b"first version")
+        proxy.slow(0.3)  # each chunk, either way: a round trip takes >= 0.6 s, past the 0.2 s read timeout
+        started = time.monotonic()
+        assert await slow.put(key, data)
+        assert 0.6 <= time.monotonic() - started < slow.background_timeout_s
+        assert slow.up
+        assert await direct.get(key) == data
+        started = time.monotonic()
+        assert await slow.get(key) is None
+        assert time.monotonic() - started < 0.5
+        assert not slow.up
+    finally:
+        for tier in (slow, direct):
+            await tier.close()
+        proxy.close()
+        if server is not None:
+            server.stop()
+
+
 async def test_the_loader_measures_concurrent_reads_as_one_fetch(tmp_path):
     """16 blocks read concurrently from a real Redis are one fetch to the cost model: one sample of all
     their bytes over the fetch's wall time, not 16 samples of one block over nearly that whole time

@@ -37,6 +37,7 @@ def test_demotion_goes_to_cold_when_warm_is_down_or_off():
     assert c.put_hot(key(2), b"b" * 20, now=2.0) == [Demote(key(1), b"a" * 20, COLD)]
     c.demotion_failed(key(1))
     assert c.entry(key(1)) is None
+    assert c.counters.demotions_failed == 1
 
 
 def test_sweep_archives_idle_warm_blocks_renews_leases_and_expires_cold_oldest_first():

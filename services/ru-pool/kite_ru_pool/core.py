@@ -200,6 +200,8 @@ class PoolCore:
         return self.hot_tier.drain_evictions(self.has_warm and warm_up, self.has_cold and cold_up)
 
     def demotion_failed(self, key: BlockKey) -> None:
+        """No slower tier took `key` on its way down: the pool no longer holds it."""
+        self.counters.demotions_failed += 1
         self.hot_tier.demotion_failed(key)
 
     # --- reads ------------------------------------------------------------------------------------------

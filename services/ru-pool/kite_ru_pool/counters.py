@@ -21,6 +21,7 @@ class Counters:
     hot_refused: int = 0  # puts that did not fit (everything left is pinned)
     promotions: int = 0
     demotions: int = 0
+    demotions_failed: int = 0  # blocks on their way down (or written through) that no slower tier took: lost
     transcoded: int = 0  # units re-encoded into a lossier tier's codec on their way down
     transcode_refused: int = 0  # ... that had no form in it (non-finite values): stored as they were
     archived: int = 0

@@ -6,6 +6,12 @@ operations return the miss value at once, without I/O, until the backoff allows 
 by index rebuilds and purges, never by request paths) raises `TierUnavailable` so a rebuild knows it is
 incomplete.
 
+Two deadlines. Reads (get, exists, ping) end at the tier's timeout: a request may be waiting on them.
+Writes, deletes and listings end at the longer `background_timeout_s`: no request waits on them (only the
+ru-pool writes, in the background), and one cut short marks the tier down for nothing and can lose the
+block (a write-through that neither warm nor cold took is gone). On a loaded 2-core machine a Redis SET of
+369 KB has taken longer than the 0.25 s read timeout.
+
 Reads that feed KV into a model go through `get_verified` / `get_unit`, which decode the unit with the
 expected block hash and model fingerprint, and check its HMAC when the tier has `ru_key` (the cluster RU
 key; `TierClient.from_config` always sets it). A unit that fails is counted, deleted from the tier and
@@ -115,9 +121,10 @@ class RemoteTier(abc.ABC):
     name: str = "remote"
 
     def __init__(self, timeout_s: float, backoff_max_s: float = 30.0, initial_backoff_s: float = 0.5,
-                 list_timeout_s: float | None = None) -> None:
-        self.timeout_s = timeout_s
-        self.list_timeout_s = list_timeout_s or max(10 * timeout_s, 5.0)
+                 background_timeout_s: float | None = None) -> None:
+        self.timeout_s = timeout_s  # seconds: reads, which a request may wait on
+        # seconds: writes, deletes and listings, which no request waits on
+        self.background_timeout_s = background_timeout_s or max(10 * timeout_s, 5.0)
         self.health = TierHealth(self.name, initial_backoff_s, backoff_max_s)
         self.integrity_failures = 0
         self.ru_key: bytes | None = None  # cluster RU key: set, units without a valid MAC are misses
@@ -192,7 +199,7 @@ class RemoteTier(abc.ABC):
         async def do() -> bool:
             await self._put(key, data, pinned)
             return True
-        ok = await self._op("put", do, False)
+        ok = await self._op("put", do, False, self.background_timeout_s)
         if ok:
             metrics.TIER_BYTES.labels(self.name, "write").inc(len(data))
         return ok
@@ -203,7 +210,7 @@ class RemoteTier(abc.ABC):
     async def delete_many(self, keys: list[BlockKey]) -> int:
         if not keys:
             return 0
-        return await self._op("delete", lambda: self._delete(keys), 0, self.list_timeout_s)
+        return await self._op("delete", lambda: self._delete(keys), 0, self.background_timeout_s)
 
     async def exists(self, key: BlockKey) -> bool:
         return await self._op("exists", lambda: self._exists(key), False)
@@ -220,7 +227,7 @@ class RemoteTier(abc.ABC):
         cursor: object | None = None
         while True:
             page = await self._op("list", lambda: self._list_page(model_tag, cursor), None,
-                                  self.list_timeout_s)
+                                  self.background_timeout_s)
             if page is None:
                 raise TierUnavailable(f"{self.name} tier listing failed or tier is down")
             items, cursor = page

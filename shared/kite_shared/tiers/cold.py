@@ -61,12 +61,20 @@ class S3Tier(_ThreadedTier):
         self.bucket = bucket
         self.prefix = prefix
         self.region = region
+        # Two clients, because botocore's read timeout is per client and a thread stays blocked until it
+        # fires (the tier's deadline only stops waiting for the thread): reads end at the tier's timeout,
+        # writes, deletes and listings at its background timeout (see kite_shared.tiers.base).
+        session = boto3.session.Session()
+        self._s3 = self._client(session, timeout_s, threads)
+        self._s3_background = self._client(session, self.background_timeout_s, threads)
+
+    def _client(self, session: boto3.session.Session, read_timeout_s: float, threads: int) -> Any:
         # One attempt per call: the tier's backoff handles failures, botocore retries would hide them.
         # total_max_attempts counts the first attempt; botocore's `max_attempts` counts retries only
         # (max_attempts=1 meant a second attempt after a jittered sleep of up to 1 s).
-        self._s3 = boto3.session.Session().client(
-            "s3", endpoint_url=endpoint or None, region_name=region,
-            config=BotoConfig(connect_timeout=timeout_s, read_timeout=timeout_s,
+        return session.client(
+            "s3", endpoint_url=self.endpoint or None, region_name=self.region,
+            config=BotoConfig(connect_timeout=self.timeout_s, read_timeout=read_timeout_s,
                               retries={"total_max_attempts": 1, "mode": "standard"},
                               max_pool_connections=threads))
 
@@ -138,7 +146,8 @@ class S3Tier(_ThreadedTier):
     async def _put(self, key: BlockKey, data: bytes | memoryview, pinned: bool) -> None:
         # botocore takes bytes or a file, not a view (a hot file's unit demoted or archived from the pool).
         body = data if isinstance(data, bytes) else bytes(data)
-        await self._run(self._s3.put_object, Bucket=self.bucket, Key=object_key(self.prefix, key), Body=body)
+        await self._run(self._s3_background.put_object, Bucket=self.bucket, Key=object_key(self.prefix, key),
+                        Body=body)
 
     async def _delete(self, keys: list[BlockKey]) -> int:
         return await self._run(self._delete_sync, keys)
@@ -147,7 +156,8 @@ class S3Tier(_ThreadedTier):
         deleted = 0
         for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
             batch = [{"Key": object_key(self.prefix, k)} for k in keys[start:start + 1000]]
-            reply = self._s3.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+            reply = self._s3_background.delete_objects(Bucket=self.bucket, Delete={"Objects": batch,
+                                                                                   "Quiet": True})
             errors = reply.get("Errors", [])
             if errors:
                 log.warning("cold tier: %d of %d deletes failed, first: %s", len(errors), len(batch),
@@ -176,7 +186,7 @@ class S3Tier(_ThreadedTier):
                                   "MaxKeys": 1000}
         if cursor is not None:
             kwargs["ContinuationToken"] = cursor
-        reply = await self._run(self._s3.list_objects_v2, **kwargs)
+        reply = await self._run(self._s3_background.list_objects_v2, **kwargs)
         now = time.time()
         items = []
         for obj in reply.get("Contents", []):

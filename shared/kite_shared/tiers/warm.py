@@ -69,8 +69,9 @@ class RedisTier(RemoteTier):
         self.scan_count = scan_count
         self.cluster = cluster
         self._refreshing: set[asyncio.Task] = set()  # expiry refreshes after batched reads (_read_batches)
-        # The socket timeout is a backstop: the tier's own timeout (`_op`) ends a slow operation first.
-        self._redis = redis_client(url, cluster, max(timeout_s, 1.0), max(timeout_s, 0.5), max_connections)
+        # The socket timeout is a backstop: the tier's own deadlines (`_op`) end a slow operation first. It
+        # is the longer one, so a write is not cut at a socket read before its own deadline.
+        self._redis = redis_client(url, cluster, self.background_timeout_s, max(timeout_s, 0.5), max_connections)
 
     async def close(self) -> None:
         # Let the expiry refreshes in flight finish on the connection, for at most the tier's timeout: a
