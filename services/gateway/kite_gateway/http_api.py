@@ -392,7 +392,10 @@ async def _unless_disconnected(request: Request, work):
     """`work`'s result, or None when the client disconnects first: then `work` is cancelled, and each
     generation's close() tells its worker to stop (a non-streaming request otherwise runs to its end for
     nobody, holding a worker for as long as its max_tokens allow). The request body has been read, so the
-    next ASGI message is the disconnect (vLLM's `with_cancellation` listens the same way)."""
+    next ASGI message is the disconnect (vLLM's `with_cancellation` listens the same way).
+    Which came first decides, not the work's state afterwards: a gather cancelled from outside ends
+    with CancelledError as its exception, not as cancelled(), and re-raising that would end the handler
+    with no response at all (Starlette's "No response returned", logged as an unhandled error)."""
     work_task = asyncio.ensure_future(work)
 
     async def client_gone() -> None:
@@ -400,18 +403,18 @@ async def _unless_disconnected(request: Request, work):
             pass
 
     listener = asyncio.ensure_future(client_gone())
+    done: set = set()
     try:
-        await asyncio.wait({work_task, listener}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({work_task, listener}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        listener.cancel()
         if not work_task.done():
             work_task.cancel()
-        listener.cancel()
-        await asyncio.gather(listener, return_exceptions=True)
-    if work_task.cancelled() or not work_task.done():
-        await asyncio.gather(work_task, return_exceptions=True)  # the generations' close() runs here
-        log.info("client disconnected before its response; generation cancelled")
-        return None
-    return work_task.result()
+        await asyncio.gather(listener, work_task, return_exceptions=True)  # the generations' close() runs here
+    if work_task in done:
+        return work_task.result()
+    log.info("client disconnected before its response; generation cancelled")
+    return None
 
 
 def _observe(ends: list[StreamEnd], generations: list[Generation], started: float) -> None:
