@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -94,8 +95,12 @@ async def test_process_serves_restarts_with_its_index_and_exports_metrics(nats_s
         assert "kite_pool_lookup_seconds_count" in body
         assert "kite_pool_event_loop_lag_seconds_count" in body  # the loop-lag probe runs (issue 4)
         assert 'kite_tier_bytes_total{direction="write",tier="warm"}' in body
+        # Full collections are timed, the two that freeze the startup heap (kite_shared.service) first.
+        full_collections = re.search(r"^kite_gc_full_collection_seconds_count (\S+)$", body, re.M)
+        assert full_collections and float(full_collections.group(1)) >= 2, body
         log = stop(proc)
         assert "ru-pool stopped" in log
+        assert "ru-pool before setup: froze" in log and "ru-pool after setup: froze" in log
         assert "GC collected and froze" in log  # after the index rebuild (kite_ru_pool.gc_freeze)
 
         proc = start_pool(env)  # Redis and S3 stayed up: the index comes back from them

@@ -2,8 +2,8 @@
 the last write or hit.
 
 Keys: see kite_shared.tiers.keys (kite:ru:v2:<model_tag>:<tenant_tag>:<block_hash_hex>, no hash tags).
-A hit refreshes the expiry with `EXPIRE key ttl XX`, in the same round trip as a single GET, after the
-reply for a batch (`_read_batches`: MGETs, then the refresh as a task of its own): XX leaves pinned blocks
+A hit refreshes the expiry with `EXPIRE key ttl XX`, in the same round trip as a single GET, or, for a
+batch, once its units are verified (`_touch_later`: one pipeline, as a task of its own): XX leaves pinned blocks
 (stored without expiry, via PERSIST) pinned, so readers need not know which blocks are pinned.
 Requires Redis >= 7.
 
@@ -33,7 +33,8 @@ from kite_shared.tiers.keys import BlockKey, parse_redis_key, redis_key, redis_p
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
-# Keys per MGET of a batched read: 16 SmolLM2 blocks are 5.9 MB; a part is verified while the next is read.
+# Keys per MGET of a batched read: 16 SmolLM2 blocks are 5.9 MB. Eight replies of 6 MB are received and
+# parsed faster than one of 47 MB (bench_data_plane.py: 1.1-1.6x); 32 keys measured no better.
 READ_BATCH_KEYS = 16
 
 
@@ -68,7 +69,7 @@ class RedisTier(RemoteTier):
         self.ttl_s = max(1, int(round(ttl_s)))
         self.scan_count = scan_count
         self.cluster = cluster
-        self._refreshing: set[asyncio.Task] = set()  # expiry refreshes after batched reads (_read_batches)
+        self._refreshing: set[asyncio.Task] = set()  # expiry refreshes after batched reads (_touch_later)
         # The socket timeout is a backstop: the tier's own deadlines (`_op`) end a slow operation first. It
         # is the longer one, so a write is not cut at a socket read before its own deadline.
         self._redis = redis_client(url, cluster, self.background_timeout_s, max(timeout_s, 0.5), max_connections)
@@ -76,11 +77,18 @@ class RedisTier(RemoteTier):
     async def close(self) -> None:
         # Let the expiry refreshes in flight finish on the connection, for at most the tier's timeout: a
         # stop must not wait on Redis.
-        if self._refreshing:
-            _, late = await asyncio.wait(set(self._refreshing), timeout=self.timeout_s)
-            for task in late:
-                task.cancel()
+        late = await self.settle(self.timeout_s)
+        for task in late:
+            task.cancel()
         await self._redis.aclose()
+
+    async def settle(self, timeout_s: float | None = None) -> set[asyncio.Task]:
+        """Wait until the expiry refreshes in flight have ended (a benchmark times reads without them
+        spilling into the next measurement); those still running after `timeout_s`."""
+        if not self._refreshing:
+            return set()
+        _, late = await asyncio.wait(set(self._refreshing), timeout=timeout_s)
+        return late
 
     async def _op(self, what: str, fn: Callable[[], Awaitable[R]], *args: Any, **kwargs: Any) -> R:
         if isinstance(self._redis, RedisCluster):
@@ -104,36 +112,29 @@ class RedisTier(RemoteTier):
 
     async def _read_batches(self, keys: list[BlockKey]) -> AsyncIterator[tuple[int, list[bytes | None]]]:
         """MGETs of READ_BATCH_KEYS keys, one after the other on one connection (on a cluster, redis-py's
-        `mget_nonatomic`: one MGET per slot, pipelined per node), each part handed to the caller (who
-        verifies it on another thread) before the next is asked for; then the hits' expiry is refreshed
-        off the reader's path (`_refresh_later`). Measured on this machine, 128 blocks of 369 KB, verified,
-        against one bare MGET of all the keys: one GET + EXPIRE pipeline 0.71x (256 commands' framing and
-        replies cost more than the bytes), one MGET then verification on the loop 0.64-0.89x, MGETs of 16
-        with the parts verified meanwhile 0.81-1.16x (bench_data_plane.py: a 47 MB reply is slower to
-        receive and parse than eight of 6 MB)."""
+        `mget_nonatomic`: one MGET per slot, pipelined per node), each part handed to the caller as it
+        arrives (what arrived before a deadline still counts). Measured on this machine, 128 blocks of 369 KB, verified, against
+        one bare MGET of all the keys: one GET + EXPIRE pipeline 0.71x (256 commands' framing and replies
+        cost more than the bytes), one MGET then verification on the loop 0.64-0.89x, these MGETs then
+        the batch verified a share per core 0.86-0.95x (`RemoteTier.get_units`); the eight MGETs in one
+        pipeline, one round trip, 0.81-0.83x."""
         names = [redis_key(key) for key in keys]
-        hits: list[str] = []
-        try:
-            for start in range(0, len(names), READ_BATCH_KEYS):
-                part = names[start:start + READ_BATCH_KEYS]
-                if isinstance(self._redis, RedisCluster):
-                    values = await self._redis.mget_nonatomic(part)
-                else:
-                    values = await self._redis.mget(part)
-                hits.extend(name for name, value in zip(part, values) if value is not None)
-                yield start, values
-        finally:
-            if hits:
-                self._refresh_later(hits)
+        for start in range(0, len(names), READ_BATCH_KEYS):
+            part = names[start:start + READ_BATCH_KEYS]
+            if isinstance(self._redis, RedisCluster):
+                values = await self._redis.mget_nonatomic(part)
+            else:
+                values = await self._redis.mget(part)
+            yield start, values
 
-    def _refresh_later(self, names: list[str]) -> None:
+    def _touch_later(self, keys: list[BlockKey]) -> None:
         """Reset these keys' expiry to the TTL (XX: pinned keys, without expiry, stay so) in one pipeline,
         as a task of its own. A refresh that fails is logged and marks the tier down like any operation;
         a refresh lost to a crash costs the block at most one TTL of life."""
         async def pipelined() -> None:
             async with self._redis.pipeline(transaction=False) as pipe:
-                for name in names:
-                    pipe.expire(name, self.ttl_s, xx=True)
+                for key in keys:
+                    pipe.expire(redis_key(key), self.ttl_s, xx=True)
                 await pipe.execute()
 
         task = asyncio.create_task(self._op("refresh expiry", pipelined, None))
