@@ -422,11 +422,12 @@ SETTINGS: tuple[Setting, ...] = (
             "keys themselves; `kite keys hash`); empty: none."),
     Setting("KITE_API_KEYS", str, "", GATEWAY,
             "More API keys as a comma list `tenant:sha256hex`, added to those of KITE_API_KEYS_FILE."),
-    Setting("KITE_CLUSTER_SECRET", str, "", ("worker", "ru-pool"),
-            "Secret keying the HMAC every recyclable unit carries; must be equal on every node. Empty: "
+    Setting("KITE_CLUSTER_SECRET", str, "", ("gateway", "worker", "ru-pool"),
+            "Secret keying the HMAC every recyclable unit and every semantic-cache record carries; must be "
+            "equal on every node. Empty: "
             "a per-install random secret in KITE_CLUSTER_SECRET_FILE (one machine only; logs a warning).",
             secret=True),
-    Setting("KITE_CLUSTER_SECRET_FILE", Path, "~/.cache/kite/cluster-secret", ("worker", "ru-pool"),
+    Setting("KITE_CLUSTER_SECRET_FILE", Path, "~/.cache/kite/cluster-secret", ("gateway", "worker", "ru-pool"),
             "Where the per-install cluster secret is kept (created 0600 on first use) when "
             "KITE_CLUSTER_SECRET is empty."),
     Setting("KITE_NATS_USER", str, "", ALL, "NATS user name (with KITE_NATS_PASSWORD); empty: none."),

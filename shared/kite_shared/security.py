@@ -6,9 +6,11 @@ that keys the recyclable-unit MAC, and redaction of credentials in URLs before t
     tenant_tag(t)                16 hex digits naming a tenant in storage keys and RU headers
     ru_key()                     HMAC key of recyclable units, from KITE_CLUSTER_SECRET or the per-install
                                  secret file (created once, 0600, under a file lock)
+    semantic_cache_key()         HMAC key of the semantic response cache's shared records (the same secret,
+                                 another domain: neither key can forge what the other signs)
     redact_url(url)              the URL with any user/password replaced by "***"
 
-Pure except `ru_key` / `load_cluster_secret` (they read the environment and may create the secret file).
+Pure except `ru_key` / `semantic_cache_key` / `load_cluster_secret` (they read the environment and may create the secret file).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ _SALT_DOMAIN = b"kite-tenant-salt/v1"
 _TENANT_TAG_DOMAIN = b"kite-tenant-tag/v1"
 TENANT_TAG_CHARS = 16
 _RU_KEY_DOMAIN = b"kite-ru-hmac/v1"
+_SEMANTIC_CACHE_KEY_DOMAIN = b"kite-semantic-cache-hmac/v1"
 SECRET_BYTES = 32
 
 
@@ -91,7 +94,7 @@ def redact_url(url: str) -> str:
 
 # --- cluster secret ----------------------------------------------------------------------------------
 _lock = threading.Lock()
-_cached: dict[tuple[str, str], bytes] = {}
+_cached: dict[tuple[bytes, str, str], bytes] = {}
 _warned = False
 
 
@@ -132,18 +135,32 @@ def load_cluster_secret(secret: str, secret_file: Path) -> bytes:
 
 def derive_ru_key(secret: bytes) -> bytes:
     """The recyclable-unit HMAC key: a domain-separated derivation of the cluster secret."""
-    return hmac.new(secret, _RU_KEY_DOMAIN, hashlib.sha256).digest()
+    return _derive(secret, _RU_KEY_DOMAIN)
+
+
+def _derive(secret: bytes, domain: bytes) -> bytes:
+    return hmac.new(secret, domain, hashlib.sha256).digest()
 
 
 def ru_key(environ: dict[str, str] | None = None) -> bytes:
     """The RU HMAC key of this process (from SecurityConfig; computed once per configuration)."""
+    return _cluster_key(_RU_KEY_DOMAIN, environ)
+
+
+def semantic_cache_key(environ: dict[str, str] | None = None) -> bytes:
+    """The HMAC key of the semantic cache's records in Redis (kite_gateway.semantic)."""
+    return _cluster_key(_SEMANTIC_CACHE_KEY_DOMAIN, environ)
+
+
+def _cluster_key(domain: bytes, environ: dict[str, str] | None) -> bytes:
+    """A key for one use (`domain`), derived from the cluster secret: HMAC-SHA256(secret, domain)."""
     from kite_shared.config import SecurityConfig, load
 
     cfg = load(SecurityConfig, environ)
-    cache_key = (cfg.cluster_secret, str(cfg.cluster_secret_file))
+    cache_key = (domain, cfg.cluster_secret, str(cfg.cluster_secret_file))
     with _lock:
         key = _cached.get(cache_key)
         if key is None:
-            key = _cached[cache_key] = derive_ru_key(load_cluster_secret(cfg.cluster_secret,
-                                                                         cfg.cluster_secret_file))
+            secret = load_cluster_secret(cfg.cluster_secret, cfg.cluster_secret_file)
+            key = _cached[cache_key] = _derive(secret, domain)
         return key

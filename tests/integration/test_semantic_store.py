@@ -1,15 +1,19 @@
 """The semantic cache's shared store on a real redis-server: two gateways' replicas (SemanticResponses)
-see each other's entries and labels, never their own twice, and a Redis that is gone means `bypass`
-(computed), never a failed request. Embeddings come from a fixed table (the decisions, not the embedding
+see each other's entries and labels, never their own twice, apply no record without a valid MAC, and a
+Redis that is gone means `bypass` (computed), never a failed request. Embeddings come from a fixed table (the decisions, not the embedding
 model, are under test here; tests/integration/test_semantic_cache_stack.py runs the real one)."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import math
 
+import msgpack
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 
 from kite_cli.local_servers import free_port
 from kite_gateway.fleet import Fleet
@@ -114,3 +118,42 @@ async def test_a_redis_that_is_gone_means_bypass_not_failure():
         await semantic.settled()
     finally:
         await semantic.close()
+
+
+def rejected(reason: str) -> float:
+    return REGISTRY.get_sample_value("kite_gateway_semantic_cache_rejected_records_total", {"reason": reason}) or 0.0
+
+
+async def test_a_record_without_a_valid_mac_is_never_applied_and_costs_no_request(gateways, redis_server):
+    """Whoever can write to Redis without the cluster secret cannot plant an answer: a record with no MAC,
+    one signed with another key, one signed for another tenant's stream and replayed here, and a signed
+    record that is not one are each skipped and counted, and the request is still answered."""
+    import redis.asyncio as aioredis
+
+    east = gateways("east")
+    miss = await ask(east, "What is the capital of France?")
+    _, stream = east.store.keys(MODEL_FP, miss.namespace)
+    _, other_tenants_stream = east.store.keys(MODEL_FP, miss.namespace._replace(tenant="globex"))
+    planted = msgpack.packb({"origin": "mallory", "kind": "inserted", "id": 999,
+                             "prompt": "What is the capital of France?", "answer": "Lyon.",
+                             "vector": np.array([1.0, 0.0, 0.0], dtype=np.float32).tobytes(), "details": {},
+                             "wrong_above": -math.inf})
+    another_cluster = hmac.new(b"another cluster's key", stream.encode() + b"\x00" + planted, hashlib.sha256).digest()
+    garbled = b"\xc1 not msgpack"
+    raw = aioredis.Redis.from_url(redis_server.url)
+    before = rejected("mac"), rejected("unreadable")
+    try:
+        await raw.xadd(stream, {"r": planted})
+        await raw.xadd(stream, {"r": planted, "m": another_cluster})
+        await raw.xadd(stream, {"r": planted, "m": east.store.mac(other_tenants_stream, planted)})
+        await raw.xadd(stream, {"r": garbled, "m": east.store.mac(stream, garbled)})
+        west = gateways("west")
+        consulted = await ask(west, "What is the capital of France?")
+        assert consulted.outcome == "miss" and replica(west).num_entries(miss.namespace) == 0
+        assert (rejected("mac"), rejected("unreadable")) == (before[0] + 3, before[1] + 1)
+
+        await raw.xadd(stream, {"r": planted, "m": east.store.mac(stream, planted)})  # signed: it is applied
+        explored = await ask(west, "What is the capital of France?")
+        assert explored.outcome == "explore" and explored.entry.answer == "Lyon."
+    finally:
+        await raw.aclose()

@@ -23,7 +23,12 @@ reads what others appended since it last looked (one XREAD of two streams, one r
     kite:sem:v1:{<model fp>}:next_id                the counter that makes entry ids unique across gateways
 
 (The braces are a Redis Cluster hash tag: one model's keys share a slot, so one XREAD reads both streams.)
-A record names the gateway that wrote it, which skips its own on reading. Streams are trimmed to a few
+A record names the gateway that wrote it, which skips its own on reading. Each record carries an
+HMAC-SHA256 of its stream's key and its bytes under a key derived from the cluster secret
+(security.semantic_cache_key), as every recyclable unit does: whoever can write to Redis but does not hold
+the secret cannot plant an answer or a label, nor move a tenant's record into another's stream. A record
+without a valid MAC, or one this gateway cannot read (another version's), is skipped and counted in
+kite_gateway_semantic_cache_rejected_records_total, never applied. Streams are trimmed to a few
 times KITE_SEMANTIC_CACHE_MAX_ENTRIES records and expire KITE_SEMANTIC_CACHE_TTL_S after their last write.
 
 Failures: Redis down or slow (KITE_TIER_TIMEOUT_S) means a `bypass` (computed, not stored), never a failed
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import logging
 import math
@@ -52,6 +58,7 @@ from redis.exceptions import RedisError
 
 from kite_shared.config import GatewayConfig
 from kite_shared.messages import ChatMessage, SamplingParams
+from kite_shared.security import semantic_cache_key
 from kite_shared.semantic_cache import CacheEntry, CacheEvent, Lookup, Namespace, SemanticCache
 from kite_shared.tiers.warm import redis_client
 from kite_gateway.fleet import Fleet
@@ -66,12 +73,16 @@ VERIFIED_ERRORS = Counter("kite_gateway_semantic_cache_verified_errors_total",
                           "the cache would have got wrong at that similarity")
 STORE_ERRORS = Counter("kite_gateway_semantic_cache_store_errors_total",
                        "Reads or writes of the semantic cache's Redis that failed or timed out")
+REJECTED_RECORDS = Counter("kite_gateway_semantic_cache_rejected_records_total",
+                           "Records of the semantic cache's Redis streams never applied, by reason: mac (no valid "
+                           "MAC: not written under this cluster secret, or altered, or moved to another stream), "
+                           "unreadable (written by another version)", ["reason"])
 LOOKUP_SECONDS = Histogram("kite_gateway_semantic_cache_lookup_seconds",
                            "Embedding, store read and decision of one semantic cache lookup",
                            buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
 
 Outcome = Literal["hit", "miss", "explore", "guarded", "bypass"]
-_KEY_PREFIX = "kite:sem:v1"
+_KEY_PREFIX = "kite:sem:v2"  # v2: records carry a MAC (v1's, unsigned, are never read)
 _RECORDS_PER_READ = 1000
 _OBSERVATIONS_KEPT = 100_000  # the calibration's memory; a Wilson bound at 2% needs hundreds
 _RECORDS_PER_ENTRY = 4  # an entry's stream holds its insertion, an update or two, its eviction
@@ -130,13 +141,20 @@ def request_key(kind: str, context: list[ChatMessage], sampling: SamplingParams)
 
 
 class SemanticStore:
-    """The shared entries in Redis: appends a replica's events, reads the others'. Raises RedisError."""
+    """The shared entries in Redis: appends a replica's events, reads the others' (those whose MAC holds).
+    Raises RedisError."""
 
-    def __init__(self, redis: aioredis.Redis | RedisCluster, origin: str, ttl_s: float, max_entries: int) -> None:
+    def __init__(self, redis: aioredis.Redis | RedisCluster, origin: str, ttl_s: float, max_entries: int,
+                 mac_key: bytes) -> None:
         self.redis = redis
         self.origin = origin  # this gateway: its own records are skipped when read back
         self.ttl_s = max(1, int(ttl_s))
         self.max_entries = max_entries
+        self.mac_key = mac_key  # security.semantic_cache_key(): the same on every gateway of a cluster
+
+    def mac(self, stream_key: str, record: bytes) -> bytes:
+        """The MAC of a record in one stream: a record moved to another stream no longer verifies."""
+        return hmac.new(self.mac_key, stream_key.encode() + b"\x00" + record, hashlib.sha256).digest()
 
     @staticmethod
     def keys(model_fingerprint: str, namespace: Namespace | None = None) -> tuple[str, str]:
@@ -165,11 +183,27 @@ class SemanticStore:
                 for record_id, fields in records:
                     num_read += 1
                     after[key] = record_id.decode() if isinstance(record_id, bytes) else record_id
-                    record = msgpack.unpackb(fields[b"r"])
-                    if record["origin"] != self.origin:
-                        events.append(_event_of(record, namespace))
+                    origin, event = self._decoded(key, fields, namespace)
+                    if event is not None and origin != self.origin:
+                        events.append(event)
             if num_read < _RECORDS_PER_READ:
                 return events
+
+    def _decoded(self, stream_key: str, fields: dict[bytes, bytes], namespace: Namespace
+                 ) -> tuple[str, CacheEvent | None]:
+        """(the record's origin, its event), or ("", None) for a record that is rejected (counted)."""
+        packed, mac = fields.get(b"r"), fields.get(b"m")
+        if packed is None or mac is None or not hmac.compare_digest(self.mac(stream_key, packed), mac):
+            _reject("mac", f"a record in {stream_key} has no valid MAC (not written under this cluster "
+                          "secret, or altered, or moved from another stream)")
+            return "", None
+        try:
+            record = msgpack.unpackb(packed)
+            return record["origin"], _event_of(record, namespace)
+        except (msgpack.UnpackException, ValueError, KeyError, TypeError) as exc:
+            _reject("unreadable", f"a record in {stream_key} cannot be read ({type(exc).__name__}: {exc}): "
+                                 "written by another version?")
+            return "", None
 
     async def append(self, model_fingerprint: str, events: list[CacheEvent]) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -178,8 +212,8 @@ class SemanticStore:
                 observations, entries = self.keys(model_fingerprint, event.entry.namespace)
                 key, kept = (observations, _OBSERVATIONS_KEPT) if event.kind == "observed" else \
                     (entries, _RECORDS_PER_ENTRY * self.max_entries)
-                pipe.xadd(key, {"r": msgpack.packb(_record_of(event, self.origin))}, maxlen=kept,
-                          approximate=True)
+                packed = msgpack.packb(_record_of(event, self.origin))
+                pipe.xadd(key, {"r": packed, "m": self.mac(key, packed)}, maxlen=kept, approximate=True)
                 touched.add(key)
             for key in touched:
                 pipe.expire(key, self.ttl_s)
@@ -195,12 +229,29 @@ def _record_of(event: CacheEvent, origin: str) -> dict:
 
 
 def _event_of(record: dict, namespace: Namespace) -> CacheEvent:
-    if record["kind"] == "observed":
+    """The event of a record `_record_of` wrote; TypeError or ValueError for any other shape."""
+    kind = record["kind"]
+    if kind == "observed":
+        _expect(record, similarity=float, same=bool)
         return CacheEvent("observed", None, record["similarity"], record["same"])
+    if kind not in ("inserted", "updated", "evicted"):
+        raise ValueError(f"unknown kind {kind!r}")
+    _expect(record, id=int, prompt=str, answer=str, vector=bytes, details=dict, wrong_above=float)
     entry = CacheEntry(record["id"], namespace, record["prompt"], record["answer"],
                        np.frombuffer(record["vector"], dtype=np.float32).copy(), record["details"],
                        wrong_above=record["wrong_above"])
-    return CacheEvent(record["kind"], entry)
+    return CacheEvent(kind, entry)
+
+
+def _expect(record: dict, **types: type) -> None:
+    for name, expected in types.items():
+        if not isinstance(record[name], expected):
+            raise TypeError(f"{name} is a {type(record[name]).__name__}, not a {expected.__name__}")
+
+
+def _reject(reason: str, detail: str) -> None:
+    REJECTED_RECORDS.labels(reason).inc()
+    log.warning("semantic cache: %s; skipped", detail)
 
 
 class SemanticResponses:
@@ -228,7 +279,8 @@ class SemanticResponses:
         from kite_shared.embedder import Embedder
 
         redis = redis_client(cfg.redis_url, cfg.redis_cluster, cfg.tier_timeout_s, max(cfg.tier_timeout_s, 0.5))
-        store = SemanticStore(redis, origin, cfg.semantic_cache_ttl_s, cfg.semantic_cache_max_entries)
+        store = SemanticStore(redis, origin, cfg.semantic_cache_ttl_s, cfg.semantic_cache_max_entries,
+                              semantic_cache_key())
         return cls(cfg, fleet, store, Embedder().embed)
 
     async def start(self) -> None:
@@ -292,7 +344,10 @@ class SemanticResponses:
             try:
                 async with self._reading:
                     for event in await self.store.read(model_fingerprint, namespace, self._read_up_to):
-                        cache.apply(event)
+                        try:
+                            cache.apply(event)
+                        except ValueError as exc:  # an embedding of other dimensions: another embedder's
+                            _reject("unreadable", f"an event cannot be applied ({exc})")
             except (RedisError, OSError) as exc:
                 STORE_ERRORS.inc()
                 log.warning("the semantic cache's Redis cannot be read (%s); computing the request", exc)
