@@ -42,9 +42,9 @@ _URL_USERINFO = re.compile(r"(\w+://)[^/\s@]+@")
 
 # Batched reads verify their units from this thread, off the event loop, once the whole batch is read
 # (`check_units`: a share per core). Measured on this 2-core machine, 128 warm blocks of 369 KB, against
-# one bare MGET of all 128 keys, side by side in three runs on 2026-12-04: MGETs of 16 keys, then the
-# batch verified a share per core from here, 0.86-0.95x; each MGET's part verified on this one thread
-# while the next was received (the design before), 0.73-0.90x. On two cores the parts' verification
+# one bare MGET of all 128 keys, side by side in five runs on 2026-12-04: MGETs of 16 keys, then the
+# batch verified a share per core from here, 0.77-0.88x; each MGET's part verified on this one thread
+# while the next was received (the design before), 0.75-0.80x. On two cores the parts' verification
 # overlapped nothing: Redis sends on one core and the loop receives on the other, so the verification
 # thread only took turns with them, and with the loop for the GIL. One thread: `check_units` blocks its
 # caller until every share is done, and must not be called from a share's thread.

@@ -113,11 +113,12 @@ class RedisTier(RemoteTier):
     async def _read_batches(self, keys: list[BlockKey]) -> AsyncIterator[tuple[int, list[bytes | None]]]:
         """MGETs of READ_BATCH_KEYS keys, one after the other on one connection (on a cluster, redis-py's
         `mget_nonatomic`: one MGET per slot, pipelined per node), each part handed to the caller as it
-        arrives (what arrived before a deadline still counts). Measured on this machine, 128 blocks of 369 KB, verified, against
-        one bare MGET of all the keys: one GET + EXPIRE pipeline 0.71x (256 commands' framing and replies
-        cost more than the bytes), one MGET then verification on the loop 0.64-0.89x, these MGETs then
-        the batch verified a share per core 0.86-0.95x (`RemoteTier.get_units`); the eight MGETs in one
-        pipeline, one round trip, 0.81-0.83x."""
+        arrives (what arrived before a deadline still counts). Measured on this machine, 128 blocks of
+        369 KB, verified, against one bare MGET of all the keys: one GET + EXPIRE pipeline 0.71x (256
+        commands' framing and replies cost more than the bytes), one MGET then verification on the loop
+        0.64-0.89x, these MGETs then the batch verified a share per core 0.77-0.88x
+        (`RemoteTier.get_units`); the eight MGETs in one pipeline (one round trip) were slower than one
+        after the other in the same runs (0.76-0.83x against 0.85-0.90x)."""
         names = [redis_key(key) for key in keys]
         for start in range(0, len(names), READ_BATCH_KEYS):
             part = names[start:start + READ_BATCH_KEYS]
