@@ -18,9 +18,9 @@ Where entries live: in the warm tier's Redis, so every gateway answers from the 
 keeps a replica (a SemanticCache per model fingerprint, its HNSW index in memory) and, before a lookup,
 reads what others appended since it last looked (one XREAD of two streams, one round trip):
 
-    kite:sem:v1:{<model fp>}:ns:<namespace digest>  a stream of entry events: inserted, updated, evicted
-    kite:sem:v1:{<model fp>}:observations           a stream of labelled observations (the calibration)
-    kite:sem:v1:{<model fp>}:next_id                the counter that makes entry ids unique across gateways
+    kite:sem:v2:{<model fp>}:ns:<namespace digest>  a stream of entry events: inserted, updated, evicted
+    kite:sem:v2:{<model fp>}:observations           a stream of labelled observations (the calibration)
+    kite:sem:v2:{<model fp>}:next_id                the counter that makes entry ids unique across gateways
 
 (The braces are a Redis Cluster hash tag: one model's keys share a slot, so one XREAD reads both streams.)
 A record names the gateway that wrote it, which skips its own on reading. Each record carries an
