@@ -10,7 +10,8 @@ that keys the recyclable-unit MAC, and redaction of credentials in URLs before t
                                  another domain: neither key can forge what the other signs)
     redact_url(url)              the URL with any user/password replaced by "***"
 
-Pure except `ru_key` / `semantic_cache_key` / `load_cluster_secret` (they read the environment and may create the secret file).
+Pure except `ru_key` / `semantic_cache_key` / `load_cluster_secret` (they read the environment and may
+create the secret file).
 """
 
 from __future__ import annotations

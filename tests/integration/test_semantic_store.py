@@ -1,7 +1,8 @@
 """The semantic cache's shared store on a real redis-server: two gateways' replicas (SemanticResponses)
 see each other's entries and labels, never their own twice, apply no record without a valid MAC, and a
-Redis that is gone means `bypass` (computed), never a failed request. Embeddings come from a fixed table (the decisions, not the embedding
-model, are under test here; tests/integration/test_semantic_cache_stack.py runs the real one)."""
+Redis that is gone means `bypass` (computed), never a failed request. Embeddings come from a fixed table
+(the decisions, not the embedding model, are under test here; tests/integration/test_semantic_cache_stack.py
+runs the real one)."""
 
 from __future__ import annotations
 
@@ -121,7 +122,8 @@ async def test_a_redis_that_is_gone_means_bypass_not_failure():
 
 
 def rejected(reason: str) -> float:
-    return REGISTRY.get_sample_value("kite_gateway_semantic_cache_rejected_records_total", {"reason": reason}) or 0.0
+    value = REGISTRY.get_sample_value("kite_gateway_semantic_cache_rejected_records_total", {"reason": reason})
+    return value or 0.0
 
 
 async def test_a_record_without_a_valid_mac_is_never_applied_and_costs_no_request(gateways, redis_server):
@@ -138,7 +140,8 @@ async def test_a_record_without_a_valid_mac_is_never_applied_and_costs_no_reques
                              "prompt": "What is the capital of France?", "answer": "Lyon.",
                              "vector": np.array([1.0, 0.0, 0.0], dtype=np.float32).tobytes(), "details": {},
                              "wrong_above": -math.inf})
-    another_cluster = hmac.new(b"another cluster's key", stream.encode() + b"\x00" + planted, hashlib.sha256).digest()
+    another_cluster = hmac.new(b"another cluster's key", stream.encode() + b"\x00" + planted,
+                               hashlib.sha256).digest()
     garbled = b"\xc1 not msgpack"
     raw = aioredis.Redis.from_url(redis_server.url)
     before = rejected("mac"), rejected("unreadable")

@@ -183,27 +183,27 @@ class SemanticStore:
                 for record_id, fields in records:
                     num_read += 1
                     after[key] = record_id.decode() if isinstance(record_id, bytes) else record_id
-                    origin, event = self._decoded(key, fields, namespace)
-                    if event is not None and origin != self.origin:
-                        events.append(event)
+                    decoded = self._decoded(key, fields, namespace)
+                    if decoded is not None and decoded[0] != self.origin:
+                        events.append(decoded[1])
             if num_read < _RECORDS_PER_READ:
                 return events
 
     def _decoded(self, stream_key: str, fields: dict[bytes, bytes], namespace: Namespace
-                 ) -> tuple[str, CacheEvent | None]:
-        """(the record's origin, its event), or ("", None) for a record that is rejected (counted)."""
+                 ) -> tuple[str, CacheEvent] | None:
+        """(the record's origin, its event), or None for a record that is rejected (counted)."""
         packed, mac = fields.get(b"r"), fields.get(b"m")
         if packed is None or mac is None or not hmac.compare_digest(self.mac(stream_key, packed), mac):
             _reject("mac", f"a record in {stream_key} has no valid MAC (not written under this cluster "
                           "secret, or altered, or moved from another stream)")
-            return "", None
+            return None
         try:
             record = msgpack.unpackb(packed)
             return record["origin"], _event_of(record, namespace)
         except (msgpack.UnpackException, ValueError, KeyError, TypeError) as exc:
             _reject("unreadable", f"a record in {stream_key} cannot be read ({type(exc).__name__}: {exc}): "
                                  "written by another version?")
-            return "", None
+            return None
 
     async def append(self, model_fingerprint: str, events: list[CacheEvent]) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
