@@ -6,9 +6,9 @@ tier, side by side with the floor each path is measured against, in one run.
 Starts its own nats-server, redis-server and moto S3 server on free ports, and the ru-pool as a real
 process (`python -m kite_ru_pool`, hot tier in files of its hand-off folder on /dev/shm). Blocks have
 SmolLM2-135M's geometry (30 layers, 3 KV heads, head dim 64, 16 tokens, fp16: 368,640 payload bytes).
-Every KITE path ends with the units verified as a worker verifies them before loading: format, BLAKE3
-checksum, HMAC under the cluster key, block hash, model and tenant (`check_units`: a share of the units
-per core, as the worker's pool loader verifies a fetch).
+Every KITE path ends with the units verified as a worker verifies them before loading: format, HMAC
+under the cluster key, payload tag (GMAC), block hash, model and tenant (`check_units`: the headers on
+one thread, then the payloads a share per core, as the worker's pool loader verifies a fetch).
 
 | path | what a worker does | floor |
 |---|---|---|
@@ -239,7 +239,7 @@ async def main() -> None:
             ("cold S3, direct (concurrent GETs)", "s3", "raw GETs, 16 threads", f">= {RATIO_TARGET}x floor"),
             ("cold folder, direct", "local", "raw file reads", ""),
         ]
-        print(f"\nside by side, verified (format + BLAKE3 checksum + HMAC + hash/model/tenant), "
+        print(f"\nside by side, verified (format + HMAC + payload tag + hash/model/tenant), "
               f"median of {args.repeat} rounds:")
         print(f"{'path':<42}{'MB/s':>9}  {'floor':<26}{'MB/s':>9}{'ratio':>7}  target   met")
         for label, name, floor_label, target in rows:

@@ -1,9 +1,9 @@
 """Recyclable units (RUs): one KV block for all layers plus the metadata that proves what it is.
 
-Binary format, version 6 (all integers big-endian; no pickle anywhere, so decoding untrusted bytes
+Binary format, version 7 (all integers big-endian; no pickle anywhere, so decoding untrusted bytes
 cannot run code):
 
-    offset 0   4 bytes   magic b"KRU" + format version byte (0x06)
+    offset 0   4 bytes   magic b"KRU" + format version byte (0x07)
     offset 4   4 bytes   header length H (uint32)
     offset 8   H bytes   msgpack map (the header):
                  block_hash        bin(32)  the block's CF hash (kite_shared.fingerprint)
@@ -23,62 +23,96 @@ cannot run code):
                                             unit in ("": as it is); the ru-pool transcodes it on its way
                                             down (kite_shared.tier_codecs)
                  cold_codec        str      the same for the cold tier
-                 checksum          bin(32)  BLAKE3-256 of the payload bytes
-                 mac               bin(32) | nil   HMAC-SHA256 with the cluster key (see below); nil
-                                   when encoded without a key
+                 checksum          bin(32) | nil   SHA-256 of the payload: units encoded without a key
+                                            only (tests, tools); nil when keyed
+                 payload_salt      bin(16) | nil   random, drawn at each encoding: names the one-time key
+                                            of `payload_tag`; nil when encoded without a key
+                 payload_tag       bin(16) | nil   GMAC of the payload under that one-time key (below)
+                 mac               bin(32) | nil   last entry: HMAC-SHA256 with the cluster key of every
+                                            byte before its value (below)
     offset 8+H           payload: the tensor, C order, little-endian elements
 
 Version 2 added `mac`; version 3 added `tenant_tag`; version 4 stopped feeding the payload to the MAC a
-second time; version 5 hashes the payload with BLAKE3 instead of SHA-256; version 6 adds the tier codecs.
-The MAC is HMAC-SHA256(key, "kite.ru.v6/mac" | block_hash | parent_hash | len32+model_fingerprint |
-len32+tenant_tag | block_index u64 | num_tokens u64 | created_at f64 | len32+codec | shape 5 x u64 |
-len32+warm_codec | len32+cold_codec | checksum): the tier codecs are signed, so only a holder of the
-secret can make the pool store a unit lossily (in a namespace that chose it). The checksum (collision-
-resistant) binds the payload, so verifying a unit hashes its payload once, and that hash is the whole cost
-of verification (the MAC covers ~200 bytes). Why BLAKE3: verification is on the path of every reused
-block, and on this machine (x86-64 with SHA-NI and AVX-512) SHA-256 hashes 369 KB payloads at about 2,000
-MB/s, BLAKE3 at about 7,500 MB/s (one thread): with SHA-256 no verified read could go faster than 2 GB/s.
-The fields are fed in this fixed binary form (not as the msgpack bytes), so the MAC does not depend on how
-a msgpack library orders or sizes things. The key is derived from the cluster secret
-(`kite_shared.security.ru_key`, KITE_CLUSTER_SECRET): a unit written by a process without the secret, or
-altered after writing (checksum recomputed or not), fails with `RUAuthError`. Units of older versions are
-refused as a format error: a cache entry of an old format is a miss, recomputed.
+second time; version 5 hashed the payload with BLAKE3 instead of SHA-256; version 6 added the tier codecs;
+version 7 replaces the keyed units' checksum with a payload MAC that hashes twice as fast here, and signs
+the header's bytes as written.
+
+Keyed units (every unit a service writes: the key is derived from the cluster secret,
+`kite_shared.security.ru_key`, KITE_CLUSTER_SECRET) carry two MACs:
+- `payload_tag` = the tag of AES-128-GCM with an empty plaintext and the payload as associated data (that
+  is GMAC), a zero nonce, under the one-time key HMAC-SHA256(key, "kite.ru.v7/payload" | payload_salt),
+  first 16 bytes. A fresh random salt at every encoding gives every payload a key of its own, so GCM's
+  one rule (never two messages under one key and nonce) holds without a nonce counter shared by writers.
+- `mac` = HMAC-SHA256(key, "kite.ru.v7/mac" | the unit's bytes from offset 0 up to the MAC's own value):
+  the preamble and every header field, the salt and tag among them, so it binds the whole header and,
+  through the tag, the payload. It is computed over the bytes as written, so a reader never re-encodes
+  anything to check it, and a field added later is covered without anyone listing it; in exchange the
+  header must end with the "mac" entry and its 32 bytes (a reader refuses any other layout). The tier
+  codecs are signed, so only a holder of the secret can make the pool store a unit lossily (in a
+  namespace that chose it).
+A unit written by a process without the secret, or with its header altered, fails with `RUAuthError`; a
+payload altered or damaged after writing fails with `RUChecksumError` (its tag no longer matches).
+
+Why GMAC: verification is on the path of every reused block, and hashing the payload is nearly all of it
+(the header's MAC covers ~350 bytes). With AES-NI and carry-less multiplication (x86-64 servers for a
+decade, ARMv8 with the crypto extension), OpenSSL's GHASH ran at 6.2-6.9 GB/s on one core of this 2-vCPU
+machine and 13 GB/s on two threads in one run (the `cryptography` package releases the GIL), against
+3.2-3.3 and 5.0-6.3 GB/s for BLAKE3, which versions 5 and 6 used (AVX2 only here), and 1.5 GB/s for
+SHA-256 (2026-12-04, 128 payloads of 369 KB; docs/benchmarks.md has the whole verification's figures). A
+keyless checksum cannot be a fast universal hash (anyone could forge a payload for it); a keyed one can,
+and every reader that verifies holds the key.
+
+Units of older versions are refused as a format error: a cache entry of an old format is a miss,
+recomputed.
 
 `decode` checks magic, version, header types, that the shape matches num_tokens and the codec's element
-size matches the payload length, the checksum, the MAC (when a key is given; a unit without one then
-fails), and (when given) that the block hash, model and tenant are the ones asked for. Anything else
-raises a subclass of `RUError`: callers treat that as a miss, never as a load. `decode` copies nothing: the
-unit's payload is a view into the bytes it was given (any buffer: bytes, a bytearray, a memory map), so a
-reader that owns writable memory (a hand-off file read into a bytearray) can hand it to torch as it is.
+size matches the payload length; with a key: the header MAC (a unit without one fails), then the payload
+tag; without a key: the checksum (a keyed unit then fails: its payload cannot be checked without the key);
+and (when given) that the block hash, model and tenant are the ones asked for. Anything else raises a
+subclass of `RUError`: callers treat that as a miss, never as a load. `decode` copies nothing: the unit's
+payload is a view into the bytes it was given (any buffer: bytes, a bytearray, a memory map), so a reader
+that owns writable memory (a hand-off file read into a bytearray) can hand it to torch as it is.
 
-Pure logic: no I/O, no torch (the worker turns payloads into tensors with `torch.frombuffer`).
+Pure logic: no I/O (but the random salt), no torch (the worker turns payloads into tensors with
+`torch.frombuffer`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import math
+import re
+import secrets
 import struct
 import time
 from dataclasses import dataclass, field
 
 import msgpack
-from blake3 import blake3
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kite_shared.security import ANONYMOUS_TENANT_TAG, TENANT_TAG_CHARS
 from kite_shared.tier_codecs import LOSSY_CODECS
 
 MAGIC = b"KRU"
-FORMAT_VERSION = 6
-_MAC_DOMAIN = b"kite.ru.v6/mac"
+FORMAT_VERSION = 7
+_MAC_DOMAIN = b"kite.ru.v7/mac"
+_PAYLOAD_KEY_DOMAIN = b"kite.ru.v7/payload"
 MAC_BYTES = 32
+SALT_BYTES = 16
+TAG_BYTES = 16  # GCM's full tag
+CHECKSUM_BYTES = 32
+_ZERO_NONCE = bytes(12)  # safe: every payload tag has a one-time key (module docstring)
+_TENANT_TAG = re.compile(f"[0-9a-f]{{{TENANT_TAG_CHARS}}}")
 _PREAMBLE = struct.Struct(">3sBI")  # magic, version, header length
+_MAC_ENTRY = b"\xa3mac\xc4\x20"  # msgpack: the key "mac", then the marker of 32 bytes of binary
+# Each header field and its exact types (msgpack decodes to exact types; a bool is not an int here).
+_HEADER_FIELDS = (("block_hash", (bytes,)), ("parent_hash", (bytes,)), ("model_fingerprint", (str,)),
+                  ("tenant_tag", (str,)), ("block_index", (int,)), ("num_tokens", (int,)),
+                  ("created_at", (int, float)), ("codec", (str,)), ("shape", (list,)),
+                  ("warm_codec", (str,)), ("cold_codec", (str,)))
 MAX_HEADER_BYTES = 4096
-# BLAKE3 splits one payload over threads only from this size on, where the split pays. Measured on this
-# 2-vCPU machine (two runs): a 369 KB unit (16 tokens of the default model) hashed at 3.0-3.2 GB/s on all
-# threads against 3.5-3.9 on one; an 8 MiB unit (16 tokens of a 7B model) at 5.2-6.5 against 3.7-4.0.
-MULTITHREAD_HASH_BYTES = 1 << 20
 
 CODEC_ITEM_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}  # the lossless codecs: the elements as computed
 TORCH_DTYPE_TO_CODEC = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
@@ -107,7 +141,8 @@ class RUFormatError(RUError):
 
 
 class RUChecksumError(RUError):
-    """The payload does not match its checksum: corrupted in storage or transit."""
+    """The payload does not match its tag (or, unkeyed, its checksum): damaged in storage or transit, or
+    altered by something without the cluster key."""
 
 
 class RUKeyMismatchError(RUError):
@@ -140,32 +175,29 @@ class RecyclableUnit:
     def num_bytes(self) -> int:
         return len(self.payload)
 
-    def checksum(self, max_threads: int | None = None) -> bytes:
-        """BLAKE3 of the payload on up to `max_threads` threads (None: several only for a payload of
-        `MULTITHREAD_HASH_BYTES` or more). The GIL is released while it hashes."""
-        if max_threads is None:
-            max_threads = blake3.AUTO if len(self.payload) >= MULTITHREAD_HASH_BYTES else 1
-        return blake3(self.payload, max_threads=max_threads).digest()
+    def checksum(self) -> bytes:
+        """SHA-256 of the payload: the integrity of a unit encoded without a key."""
+        return hashlib.sha256(self.payload).digest()
 
-    def mac(self, key: bytes, checksum: bytes | None = None) -> bytes:
-        """HMAC-SHA256 of the unit's identity, header fields and payload checksum (module docstring)."""
-        if not 0 <= self.block_index < 2**64:
-            raise RUFormatError("block index out of range")
-        h = hmac.new(key, digestmod=hashlib.sha256)
-        h.update(_MAC_DOMAIN + bytes(self.block_hash) + bytes(self.parent_hash)
-                 + _sized(self.model_fingerprint) + _sized(self.tenant_tag)
-                 + struct.pack(">QQd", self.block_index, self.num_tokens, float(self.created_at))
-                 + _sized(self.codec) + struct.pack(">5Q", *self.shape)
-                 + _sized(self.warm_codec) + _sized(self.cold_codec)
-                 + (checksum if checksum is not None else self.checksum()))
-        return h.digest()
+    def payload_tag(self, key: bytes, salt: bytes) -> bytes:
+        """GMAC of the payload under the one-time key that `key` and `salt` name (module docstring). The
+        GIL is released while it runs."""
+        return _payload_gmac(key, salt).encrypt(_ZERO_NONCE, b"", self.payload)
 
     def encode(self, key: bytes | None = None) -> bytes:
         """The unit's bytes; with `key` (the cluster RU key) it carries an HMAC readers can verify."""
         _check_geometry(self.codec, self.shape, self.num_tokens, len(self.payload))
         _check_tenant_tag(self.tenant_tag)
         _check_tier_codecs(self.warm_codec, self.cold_codec)
-        checksum = self.checksum()
+        if not 0 <= self.block_index < 2**64:
+            raise RUFormatError("block index out of range")
+        if key is None:
+            salt = tag = None
+            checksum: bytes | None = self.checksum()
+        else:
+            salt = secrets.token_bytes(SALT_BYTES)
+            tag = self.payload_tag(key, salt)
+            checksum = None
         header = msgpack.packb({
             "block_hash": self.block_hash,
             "parent_hash": self.parent_hash,
@@ -179,15 +211,62 @@ class RecyclableUnit:
             "warm_codec": self.warm_codec,
             "cold_codec": self.cold_codec,
             "checksum": checksum,
-            "mac": None if key is None else self.mac(key, checksum),
+            "payload_salt": salt,
+            "payload_tag": tag,
+            "mac": None if key is None else bytes(MAC_BYTES),  # last: replaced by the MAC of what precedes it
         }, use_bin_type=True)
-        return _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header)) + header + self.payload
+        signed = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header)) + header
+        if key is not None:
+            signed = signed[:-MAC_BYTES] + _header_mac(key, signed[:-MAC_BYTES])
+        return signed + self.payload
 
 
-def _sized(text: str) -> bytes:
-    """`text` as the MAC takes a string: its UTF-8 length (uint32), then its bytes."""
-    raw = text.encode("utf-8")
-    return struct.pack(">I", len(raw)) + raw
+def _header_mac(key: bytes, signed: bytes | memoryview) -> bytes:
+    h = _keyed_sha256(key)
+    h.update(_MAC_DOMAIN)
+    h.update(signed)
+    return h.digest()
+
+
+def _payload_gmac(key: bytes, salt: bytes) -> AESGCM:
+    h = _keyed_sha256(key)
+    h.update(_PAYLOAD_KEY_DOMAIN + salt)
+    return AESGCM(h.digest()[:16])
+
+
+@functools.lru_cache(maxsize=8)
+def _keyed_sha256_state(key: bytes) -> hmac.HMAC:
+    return hmac.new(key, digestmod=hashlib.sha256)
+
+
+def _keyed_sha256(key: bytes) -> hmac.HMAC:
+    """A fresh HMAC-SHA256 under `key`: a copy of a keyed state, cheaper than keying again (measured here:
+    1.8-3.4 us against 3.3-4.6 for `hmac.digest` of ~200 bytes), which counts at two per unit read."""
+    return _keyed_sha256_state(key).copy()
+
+
+class PayloadCheck:
+    """What is left of a unit's verification once `decode_header` has passed its header: hashing the
+    payload, nearly all the cost, with the GIL released. Pure; `failure` runs on any thread, and its
+    Python is a few steps per unit, so that several threads hashing payloads seldom wait for each
+    other's GIL (measured: checking whole units on two threads was no faster than on one)."""
+
+    __slots__ = ("_payload", "_gmac", "_expected")
+
+    def __init__(self, payload: memoryview, gmac: AESGCM | None, expected: bytes) -> None:
+        self._payload = payload
+        self._gmac = gmac  # None: a unit encoded without a key, checked against its SHA-256
+        self._expected = expected
+
+    def failure(self) -> RUChecksumError | None:
+        """None if the payload is the one the header names, else the error."""
+        if self._gmac is None:
+            if hmac.compare_digest(hashlib.sha256(self._payload).digest(), self._expected):
+                return None
+            return RUChecksumError("payload checksum mismatch")
+        if hmac.compare_digest(self._gmac.encrypt(_ZERO_NONCE, b"", self._payload), self._expected):
+            return None
+        return RUChecksumError("payload does not match its tag: damaged or altered after writing")
 
 
 def _check_tier_codecs(warm_codec: str, cold_codec: str) -> None:
@@ -211,62 +290,83 @@ def _check_geometry(codec: str, shape: tuple[int, ...], num_tokens: int, payload
 
 
 def _check_tenant_tag(tag: object) -> None:
-    if not (isinstance(tag, str) and len(tag) == TENANT_TAG_CHARS
-            and all(c in "0123456789abcdef" for c in tag)):
+    if not (isinstance(tag, str) and _TENANT_TAG.fullmatch(tag)):
         raise RUFormatError(f"tenant_tag must be {TENANT_TAG_CHARS} lowercase hex digits")
 
 
 def decode(data: bytes | bytearray | memoryview, expected_hash: bytes | None = None, expected_model: str | None = None,
-           key: bytes | None = None, expected_tenant_tag: str | None = None,
-           hash_threads: int | None = None) -> RecyclableUnit:
+           key: bytes | None = None, expected_tenant_tag: str | None = None) -> RecyclableUnit:
     """Parse and verify `data`; see the module docstring for what is checked. With `key`, a unit whose
-    MAC is absent or wrong raises RUAuthError. `hash_threads`: as `RecyclableUnit.checksum`'s
-    `max_threads` (1 where the caller verifies several units at once, one per thread)."""
+    MAC is absent or wrong raises RUAuthError; without, so does a keyed unit (its payload cannot be
+    checked)."""
+    unit, payload_check = decode_header(data, expected_hash, expected_model, key, expected_tenant_tag)
+    failure = payload_check.failure()
+    if failure is not None:
+        raise failure
+    return unit
+
+
+def decode_header(data: bytes | bytearray | memoryview, expected_hash: bytes | None = None,
+                  expected_model: str | None = None, key: bytes | None = None,
+                  expected_tenant_tag: str | None = None) -> tuple[RecyclableUnit, PayloadCheck]:
+    """`decode` up to the payload: every check but the payload's hash, which the returned PayloadCheck
+    does (the unit is not verified until its `failure()` is None). For callers that verify many units
+    at once: headers on one thread, payloads on all cores (`kite_shared.tiers.base.check_units`).
+    Written for speed (it runs for every block a worker loads, holding the GIL): 26-34 us a unit on
+    this machine, against 53-66 with a helper per field and the MAC over fields re-encoded one by one."""
     header, header_len = _read_header(data)
     try:
-        unit = RecyclableUnit(
-            block_hash=_typed(header, "block_hash", bytes),
-            parent_hash=_typed(header, "parent_hash", bytes),
-            model_fingerprint=_typed(header, "model_fingerprint", str),
-            tenant_tag=_typed(header, "tenant_tag", str),
-            block_index=_typed(header, "block_index", int),
-            num_tokens=_typed(header, "num_tokens", int),
-            created_at=float(_typed(header, "created_at", (int, float))),
-            codec=_typed(header, "codec", str),
-            shape=tuple(_typed(header, "shape", list)),  # type: ignore[arg-type]
-            warm_codec=_typed(header, "warm_codec", str),
-            cold_codec=_typed(header, "cold_codec", str),
-            payload=memoryview(data)[_PREAMBLE.size + header_len:],
-        )
-        checksum = _typed(header, "checksum", bytes)
-        if "mac" not in header:
-            raise ValueError("header lacks 'mac'")
-        mac = header["mac"]
-        if mac is not None and (not isinstance(mac, bytes) or len(mac) != MAC_BYTES):
-            raise ValueError("header field 'mac' has the wrong type")
-    except (TypeError, ValueError) as exc:
+        values = [header[name] for name, _ in _HEADER_FIELDS]
+    except KeyError as exc:
+        raise RUFormatError(f"header lacks {exc.args[0]!r}") from None
+    for (name, kinds), value in zip(_HEADER_FIELDS, values):
+        if value.__class__ not in kinds:
+            raise RUFormatError(f"header field {name!r} has the wrong type")
+    block_hash, parent_hash, model, tenant, index, num_tokens, created_at, codec, shape, warm, cold = values
+    try:
+        salt = _optional_bytes(header, "payload_salt", SALT_BYTES)
+        tag = _optional_bytes(header, "payload_tag", TAG_BYTES)
+        mac = _optional_bytes(header, "mac", MAC_BYTES)
+        checksum = _optional_bytes(header, "checksum", CHECKSUM_BYTES)
+    except ValueError as exc:
         raise RUFormatError(str(exc)) from None
-    if len(unit.block_hash) != 32 or len(unit.parent_hash) != 32:
+    keyed = mac is not None
+    if not (salt is not None and tag is not None and checksum is None if keyed
+            else salt is None and tag is None and checksum is not None):
+        raise RUFormatError("a unit carries payload_salt, payload_tag and mac (keyed) or a checksum, not both")
+    if len(block_hash) != 32 or len(parent_hash) != 32:
         raise RUFormatError("block and parent hashes must be 32 bytes")
-    if unit.block_index < 0:
+    if index < 0:
         raise RUFormatError("negative block index")
-    _check_geometry(unit.codec, unit.shape, unit.num_tokens, len(unit.payload))
-    _check_tenant_tag(unit.tenant_tag)
-    _check_tier_codecs(unit.warm_codec, unit.cold_codec)
-    if unit.checksum(hash_threads) != checksum:
-        raise RUChecksumError("payload checksum mismatch")
+    end = _PREAMBLE.size + header_len
+    unit = RecyclableUnit(block_hash=block_hash, parent_hash=parent_hash, model_fingerprint=model,
+                          tenant_tag=tenant, block_index=index, num_tokens=num_tokens,
+                          created_at=float(created_at), codec=codec, shape=tuple(shape), warm_codec=warm,
+                          cold_codec=cold, payload=memoryview(data)[end:])
+    _check_geometry(codec, unit.shape, num_tokens, len(unit.payload))
+    _check_tenant_tag(tenant)
+    _check_tier_codecs(warm, cold)
     if key is not None:
-        if mac is None:
+        if not keyed:
             raise RUAuthError("unit carries no MAC")
-        if not hmac.compare_digest(unit.mac(key, checksum), mac):
+        # The MAC covers every byte before its own value, and only counts if that value ends the header.
+        signed = end - MAC_BYTES
+        if bytes(data[signed - len(_MAC_ENTRY):end]) != _MAC_ENTRY + mac:
+            raise RUFormatError("the header's last field must be its MAC")
+        if not hmac.compare_digest(_header_mac(key, memoryview(data)[:signed]), mac):
             raise RUAuthError("unit MAC mismatch: not written with this cluster secret, or altered")
-    if expected_hash is not None and unit.block_hash != expected_hash:
+        payload_check = PayloadCheck(unit.payload, _payload_gmac(key, salt), tag)
+    elif keyed:
+        raise RUAuthError("a keyed unit: its payload can only be checked with the cluster key")
+    else:
+        payload_check = PayloadCheck(unit.payload, None, checksum)
+    if expected_hash is not None and block_hash != expected_hash:
         raise RUKeyMismatchError("unit holds a different block than requested")
-    if expected_model is not None and unit.model_fingerprint != expected_model:
+    if expected_model is not None and model != expected_model:
         raise RUKeyMismatchError("unit belongs to a different model fingerprint")
-    if expected_tenant_tag is not None and unit.tenant_tag != expected_tenant_tag:
+    if expected_tenant_tag is not None and tenant != expected_tenant_tag:
         raise RUKeyMismatchError("unit belongs to a different tenant")
-    return unit
+    return unit, payload_check
 
 
 def stored_codecs(data: bytes | bytearray | memoryview) -> tuple[str, str, str]:
@@ -299,6 +399,15 @@ def _read_header(data: bytes | bytearray | memoryview) -> tuple[dict, int]:
     if not isinstance(header, dict):
         raise RUFormatError("header must be a map")
     return header, header_len
+
+
+def _optional_bytes(header: dict, key: str, size: int) -> bytes | None:
+    if key not in header:
+        raise ValueError(f"header lacks {key!r}")
+    value = header[key]
+    if value is not None and (not isinstance(value, bytes) or len(value) != size):
+        raise ValueError(f"header field {key!r} has the wrong type")
+    return value
 
 
 def _typed(header: dict, key: str, kind: type | tuple[type, ...]):

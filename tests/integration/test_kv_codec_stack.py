@@ -23,6 +23,7 @@ import redis
 
 from kite_shared import model_store, recyclable_unit
 from kite_shared.config import ModelConfig, load
+from kite_shared.security import ru_key
 from tests.integration.test_pool_reuse import cached, chat, replace_worker, wait_for_warm_blocks
 
 
@@ -53,7 +54,7 @@ def test_lossy_units_live_in_their_own_namespace_and_load_through_the_codec(fres
     lossy = model_store.identity(local, cfg).fingerprint_hex
     lossless = model_store.identity(local, load(ModelConfig, {"KITE_ENGINE": "transformers"})).fingerprint_hex
     warm = redis.Redis.from_url(stack.redis.url)
-    units = [recyclable_unit.decode(warm.get(name)) for name in warm.scan_iter("kite:ru:*")]
+    units = [recyclable_unit.decode(warm.get(name), key=ru_key()) for name in warm.scan_iter("kite:ru:*")]
     assert units and {u.codec for u in units} == {"int8"}
     assert {u.model_fingerprint for u in units} == {lossy} and lossy != lossless
 
@@ -80,7 +81,7 @@ def test_a_lossy_cold_tier_holds_int8_units_that_a_fresh_worker_loads(fresh_stac
     while len(list(cold_dir.rglob("*.kru"))) < num_blocks or any(warm.scan_iter("kite:ru:*")):
         assert time.monotonic() < deadline, "the pool never archived the blocks to cold"
         time.sleep(0.5)
-    in_cold = [recyclable_unit.decode(path.read_bytes()) for path in cold_dir.rglob("*.kru")]
+    in_cold = [recyclable_unit.decode(path.read_bytes(), key=ru_key()) for path in cold_dir.rglob("*.kru")]
     assert {(u.codec, u.cold_codec) for u in in_cold} == {("int8", "int8")}  # transcoded by the pool
     cfg = load(ModelConfig, {"KITE_ENGINE": "transformers", **settings})
     namespace = model_store.identity(model_store.prepare(cfg), cfg).fingerprint_hex

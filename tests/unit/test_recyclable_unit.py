@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 import struct
 
 import msgpack
 import numpy as np
-from blake3 import blake3
 import pytest
 
-from kite_shared.recyclable_unit import (RecyclableUnit, RUChecksumError, RUFormatError, RUKeyMismatchError,
-                                         decode, stored_codecs)
+from kite_shared.recyclable_unit import (RecyclableUnit, RUAuthError, RUChecksumError, RUFormatError,
+                                         RUKeyMismatchError, decode, decode_header, stored_codecs)
 from kite_shared.security import ANONYMOUS_TENANT_TAG, tenant_tag
 
 SHAPE = (2, 2, 1, 16, 4)
+KEY = b"k" * 32
 
 
 def unit(codec: str = "fp16") -> RecyclableUnit:
@@ -30,14 +31,52 @@ def test_round_trip(codec):
     assert decode(original.encode(), expected_hash=b"\x01" * 32, expected_model="ff" * 32) == original
 
 
+def _header(data: bytes) -> dict:
+    header_len = struct.unpack_from(">3sBI", data)[2]
+    return msgpack.unpackb(data[8:8 + header_len])
+
+
 def test_layout_is_magic_length_header_payload():
     data = unit().encode()
     magic, version, header_len = struct.unpack_from(">3sBI", data)
-    assert (magic, version) == (b"KRU", 6)
-    header = msgpack.unpackb(data[8:8 + header_len])
+    assert (magic, version) == (b"KRU", 7)
+    header = _header(data)
     assert header["shape"] == list(SHAPE) and header["codec"] == "fp16"
     assert data[8 + header_len:] == unit().payload
-    assert header["checksum"] == blake3(unit().payload).digest()
+    assert header["checksum"] == hashlib.sha256(unit().payload).digest()
+    assert header["payload_salt"] is header["payload_tag"] is header["mac"] is None
+
+
+def test_a_keyed_unit_carries_a_payload_tag_under_a_key_of_its_own_and_no_checksum():
+    first, second = _header(unit().encode(KEY)), _header(unit().encode(KEY))
+    assert first["checksum"] is None
+    assert (len(first["payload_salt"]), len(first["payload_tag"]), len(first["mac"])) == (16, 16, 32)
+    # A new salt at every encoding: the same payload gets another one-time key and so another tag.
+    assert first["payload_salt"] != second["payload_salt"] and first["payload_tag"] != second["payload_tag"]
+    assert decode(unit().encode(KEY), key=KEY) == unit()
+
+
+def test_a_keyed_unit_cannot_be_read_without_the_key():
+    with pytest.raises(RUAuthError, match="cluster key"):
+        decode(unit().encode(KEY))
+
+
+def test_a_header_with_both_kinds_of_integrity_is_a_format_error():
+    data = unit().encode(KEY)
+    header = _header(data)
+    header["checksum"] = hashlib.sha256(unit().payload).digest()
+    packed = msgpack.packb(header, use_bin_type=True)
+    with pytest.raises(RUFormatError, match="not both"):
+        decode(data[:4] + struct.pack(">I", len(packed)) + packed + unit().payload, key=KEY)
+
+
+def test_decode_header_leaves_only_the_payload_to_check():
+    data = bytearray(unit().encode(KEY))
+    data[-1] ^= 0x01
+    header_unit, payload_check = decode_header(bytes(data), expected_hash=b"\x01" * 32, key=KEY)
+    assert header_unit.block_index == 3
+    assert isinstance(payload_check.failure(), RUChecksumError)
+    assert decode_header(unit().encode(KEY), key=KEY)[1].failure() is None
 
 
 def test_decode_views_the_payload_without_copying():
@@ -49,17 +88,19 @@ def test_decode_views_the_payload_without_copying():
     assert payload[-1] == buffer[-1]
 
 
-def test_flipped_payload_byte_fails_checksum():
-    data = bytearray(unit().encode())
+@pytest.mark.parametrize("key", [None, KEY])
+def test_flipped_payload_byte_fails_checksum(key):
+    data = bytearray(unit().encode(key))
     data[-5] ^= 0x40
     with pytest.raises(RUChecksumError):
-        decode(bytes(data))
+        decode(bytes(data), key=key)
 
 
 @pytest.mark.parametrize("damage", [
     lambda d: d[:7],  # truncated preamble
     lambda d: b"XRU" + d[3:],  # bad magic
-    lambda d: d[:3] + b"\x07" + d[4:],  # unknown version
+    lambda d: d[:3] + b"\x08" + d[4:],  # unknown version
+    lambda d: d[:3] + b"\x06" + d[4:],  # version 6 (BLAKE3 checksum under the MAC) is no longer read
     lambda d: d[:3] + b"\x05" + d[4:],  # version 5 (no tier codecs) is no longer read
     lambda d: d[:3] + b"\x04" + d[4:],  # version 4 (SHA-256 checksum) is no longer read
     lambda d: d[:3] + b"\x03" + d[4:],  # version 3 (MAC over the payload too) is no longer read
@@ -101,16 +142,6 @@ def test_encode_refuses_inconsistent_geometry():
     bad = RecyclableUnit(**{**unit().__dict__, "shape": (2, 2, 1, 8, 4)})
     with pytest.raises(RUFormatError):
         bad.encode()
-
-
-@pytest.mark.parametrize("num_bytes", [4096, 2 << 20])  # below and above MULTITHREAD_HASH_BYTES
-def test_checksum_is_the_same_on_any_number_of_threads(num_bytes):
-    payload = np.random.default_rng(0).integers(0, 255, num_bytes, dtype=np.uint8).tobytes()
-    u = RecyclableUnit(block_hash=b"\x01" * 32, parent_hash=b"\x02" * 32, model_fingerprint="ff" * 32,
-                       block_index=0, num_tokens=16, codec="fp16", shape=(1, 1, 1, 16, num_bytes // 32),
-                       payload=payload)
-    expected = blake3(payload).digest()
-    assert u.checksum() == u.checksum(1) == u.checksum(blake3.AUTO) == expected
 
 
 def test_tier_codecs_round_trip_and_are_read_without_verifying():

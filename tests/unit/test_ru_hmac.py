@@ -1,5 +1,6 @@
-"""RU format v3: the HMAC every unit carries, its verification, the cluster secret it is keyed with, and
-tiers treating a failed check as a counted miss (never a load)."""
+"""The MACs every unit carries (format v7: the header's HMAC and the payload's tag), their verification,
+the cluster secret they are keyed with, and tiers treating a failed check as a counted miss (never a
+load)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ import os
 import stat
 
 import msgpack
-from blake3 import blake3
 import numpy as np
 import pytest
 
 from kite_shared import security
-from kite_shared.recyclable_unit import (RecyclableUnit, RUAuthError, RUChecksumError, RUError, decode)
+from kite_shared.recyclable_unit import (RecyclableUnit, RUAuthError, RUChecksumError, RUError, RUFormatError,
+                                         decode)
 from kite_shared.tiers import metrics
 from kite_shared.tiers.cold import LocalDirTier
 from kite_shared.tiers.keys import BlockKey
@@ -32,20 +33,21 @@ def unit(block_hash: bytes = b"\x01" * 32, fp: str = FP) -> RecyclableUnit:
 
 
 def _rewrite_header(data: bytes, **changes) -> bytes:
-    """Change header fields (recomputing the payload checksum, as a forger would) and re-frame."""
+    """Change header fields (as a forger without the key would: the MAC and payload tag stay) and
+    re-frame."""
     header_len = int.from_bytes(data[4:8], "big")
     header = msgpack.unpackb(data[8:8 + header_len], raw=False)
     payload = changes.pop("payload", data[8 + header_len:])
     header.update(changes)
-    header["checksum"] = blake3(payload).digest()
     packed = msgpack.packb(header, use_bin_type=True)
     return data[:4] + len(packed).to_bytes(4, "big") + packed + payload
 
 
-def test_keyed_round_trip_and_unkeyed_read():
+def test_keyed_round_trip_and_no_read_without_the_key():
     data = unit().encode(key=KEY)
     assert decode(data, expected_hash=b"\x01" * 32, expected_model=FP, key=KEY) == unit()
-    assert decode(data) == unit()  # without a key the MAC is not checked (format tools, stats)
+    with pytest.raises(RUAuthError):  # the payload tag can only be checked with the key
+        decode(data)
 
 
 def test_wrong_key_missing_mac_and_forged_fields_are_auth_errors():
@@ -61,10 +63,27 @@ def test_wrong_key_missing_mac_and_forged_fields_are_auth_errors():
                    _rewrite_header(good, created_at=1.0),
                    _rewrite_header(good, cold_codec="int8"),  # would make the pool store it lossily
                    _rewrite_header(good, warm_codec="fp8_e4m3"),
-                   _rewrite_header(good, payload=bytes(len(unit().payload)))):
+                   _rewrite_header(good, payload_salt=b"\x00" * 16),  # another one-time key
+                   _rewrite_header(good, payload_tag=b"\x00" * 16)):
         with pytest.raises(RUAuthError):
             decode(forged, key=KEY)
-        decode(forged)  # still a well-formed unit: only the MAC tells
+
+
+def test_the_mac_must_end_the_header():
+    """The MAC signs every byte before its value; a header that puts another field after it is refused,
+    even when the MAC itself is intact."""
+    good = unit().encode(key=KEY)
+    header_len = int.from_bytes(good[4:8], "big")
+    header = msgpack.unpackb(good[8:8 + header_len], raw=False)
+    moved = {"mac": header.pop("mac"), **header}
+    packed = msgpack.packb(moved, use_bin_type=True)
+    with pytest.raises(RUFormatError, match="last field"):
+        decode(good[:4] + len(packed).to_bytes(4, "big") + packed + good[8 + header_len:], key=KEY)
+
+
+def test_a_replaced_payload_fails_its_tag():
+    with pytest.raises(RUChecksumError):
+        decode(_rewrite_header(unit().encode(key=KEY), payload=bytes(len(unit().payload))), key=KEY)
 
 
 def test_damage_is_still_a_checksum_error_and_every_failure_is_an_ru_error():
@@ -76,8 +95,6 @@ def test_damage_is_still_a_checksum_error_and_every_failure_is_an_ru_error():
 
 
 def test_mac_field_of_the_wrong_type_is_a_format_error():
-    from kite_shared.recyclable_unit import RUFormatError
-
     with pytest.raises(RUFormatError):
         decode(_rewrite_header(unit().encode(key=KEY), mac=b"short"), key=KEY)
 

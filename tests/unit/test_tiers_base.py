@@ -39,7 +39,7 @@ def test_each_outcome_is_its_own_units_in_order(monkeypatch, num_cores):
     damaged[-1] ^= 0xFF
     values[3] = bytes(damaged)
     values[5] = blocks[6][1]  # another block's unit at this index
-    values[6] = recyclable_unit.decode(blocks[6][1]).encode(key=b"x" * 32)  # signed under another key
+    values[6] = recyclable_unit.decode(blocks[6][1], key=KEY).encode(key=b"x" * 32)  # signed under another key
 
     outcomes = check_units(values, hashes, FP, KEY, ANONYMOUS_TENANT_TAG)
 

@@ -32,8 +32,8 @@ under the adapter's root, never the base's (vLLM's own hashes of them include th
 Failures never fail a request or change an answer: a block the pool cannot supply in time is computed;
 a staged block whose slot no longer holds it (cleared at a quarantine) is reported through
 `get_block_ids_with_load_errors`, and with
-`kv_load_failure_policy="recompute"` vLLM computes those blocks again. Units are verified (checksum,
-HMAC, model fingerprint, tenant) before they are staged.
+`kv_load_failure_policy="recompute"` vLLM computes those blocks again. Units are verified (payload
+tag, HMAC, model fingerprint, tenant) before they are staged.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from kite_worker.paged_layout import PagedLayer
 from kite_worker.staging_arena import ARENA_FILE, StagingArena
 
 if TYPE_CHECKING:
+    import numpy
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

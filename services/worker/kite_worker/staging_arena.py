@@ -93,7 +93,7 @@ class StagingArena:
 
     def write(self, slot: int, block_hash: bytes, payload) -> None:
         """Put a block's bytes (any buffer of `payload_bytes`) in `slot`: one copy."""
-        if len(block_hash) != TAG_BYTES or block_hash == _EMPTY:  # all zeros: the empty tag (never a BLAKE3 hash)
+        if len(block_hash) != TAG_BYTES or block_hash == _EMPTY:  # all zeros: the empty tag (never a block hash)
             raise ValueError(f"a block hash is {TAG_BYTES} bytes, not all zero: got {bytes(block_hash).hex()}")
         data = memoryview(payload).cast("B")
         if data.nbytes != self.payload_bytes:

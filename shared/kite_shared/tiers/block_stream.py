@@ -20,7 +20,7 @@ The ticket is a capability handed out only over NATS (authenticated by the clust
 whoever cannot ask the pool cannot take a transfer. A connection must send its ticket within
 TICKET_WAIT_S, and at most MAX_CONNECTIONS are served at once (more are closed: that get is a miss), so
 idle or surplus connections cannot pile up. The bytes are integrity-protected as on every path
-(readers verify each unit's checksum and HMAC); confidentiality needs TLS (`KITE_POOL_DATA_TLS_CERT` /
+(readers verify each unit's payload tag and HMAC); confidentiality needs TLS (`KITE_POOL_DATA_TLS_CERT` /
 `_KEY` on the pool; readers verify it with the NATS CA or the system's). A transfer that breaks midway is
 a shorter prefix for the reader, verified unit by unit, never a wrong block.
 """

@@ -24,8 +24,8 @@ Two kinds of files, both in the pool's own folder:
 Readers map files (`map_units`) rather than read them: the mapping is copy-on-write (MAP_PRIVATE), so the
 unit's payload is writable memory that torch can use as it is (`torch.frombuffer`), pages are shared with
 the pool's until written, and nothing is copied on the way. Measured on this 2-core machine, 128 units of
-369 KB: mapping and verifying (BLAKE3 checksum + HMAC) 3,400 MB/s; reading into a new bytearray and
-verifying 1,400 MB/s (the fresh pages' faults, not the copy, cost most).
+369 KB: mapping and verifying (format v6: BLAKE3 checksum + HMAC) 3,400 MB/s; reading into a new bytearray
+and verifying 1,400 MB/s (the fresh pages' faults, not the copy, cost most).
 
 Readers keep their mappings of lent hot files between fetches (`KeptMappings`): a hot file's bytes never
 change, so the next fetch of the same unit needs no new mapping. Mapping afresh costs page-table work on
@@ -36,7 +36,7 @@ with the mappings kept (2026-12-03; docs/benchmarks.md). Every use is still veri
 Who is on the same host: `host_id()`, the kernel's boot id (shared by the containers of one host). A
 reader in a container that does not share the pool's folder fails its first read (the folder is not
 there): `PoolClient` then asks for inline replies for good, so the fallback costs one extra round trip,
-once. Integrity is unchanged: readers verify each unit's checksum and HMAC exactly as they do inline bytes,
+once. Integrity is unchanged: readers verify each unit's payload tag and HMAC exactly as they do inline bytes,
 so a torn, truncated or altered file is a miss.
 """
 
