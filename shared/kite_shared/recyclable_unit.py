@@ -185,7 +185,8 @@ class RecyclableUnit:
         return _payload_gmac(key, salt).encrypt(_ZERO_NONCE, b"", self.payload)
 
     def encode(self, key: bytes | None = None) -> bytes:
-        """The unit's bytes; with `key` (the cluster RU key) it carries an HMAC readers can verify."""
+        """The unit's bytes; with `key` (the cluster RU key) they carry the MACs readers verify (module
+        docstring), else a checksum."""
         _check_geometry(self.codec, self.shape, self.num_tokens, len(self.payload))
         _check_tenant_tag(self.tenant_tag)
         _check_tier_codecs(self.warm_codec, self.cold_codec)
@@ -249,7 +250,7 @@ class PayloadCheck:
     """What is left of a unit's verification once `decode_header` has passed its header: hashing the
     payload, nearly all the cost, with the GIL released. Pure; `failure` runs on any thread, and its
     Python is a few steps per unit, so that several threads hashing payloads seldom wait for each
-    other's GIL (measured: checking whole units on two threads was no faster than on one)."""
+    other's GIL."""
 
     __slots__ = ("_payload", "_gmac", "_expected")
 
