@@ -56,7 +56,7 @@ payload altered or damaged after writing fails with `RUChecksumError` (its tag n
 Why GMAC: verification is on the path of every reused block, and hashing the payload is nearly all of it
 (the header's MAC covers ~350 bytes). With AES-NI and carry-less multiplication (x86-64 servers for a
 decade, ARMv8 with the crypto extension), OpenSSL's GHASH ran at 6.2-6.9 GB/s on one core of this 2-vCPU
-machine and 13 GB/s on two threads in one run (the `cryptography` package releases the GIL), against
+machine and 13 GB/s on two threads in two runs (the `cryptography` package releases the GIL), against
 3.2-3.3 and 5.0-6.3 GB/s for BLAKE3, which versions 5 and 6 used (AVX2 only here), and 1.5 GB/s for
 SHA-256 (2026-12-04, 128 payloads of 369 KB; docs/benchmarks.md has the whole verification's figures). A
 keyless checksum cannot be a fast universal hash (anyone could forge a payload for it); a keyed one can,

@@ -79,7 +79,8 @@ def check_units(values: list[bytes | None], block_hashes: list[bytes], model_fin
     payloads on all cores; blocks the calling thread until every share is done. Never call it from a
     share's thread."""
     outcomes: list[recyclable_unit.RecyclableUnit | recyclable_unit.RUError | None] = []
-    pending: list[tuple[int, recyclable_unit.PayloadCheck]] = []
+    pending: list[int] = []  # indices of the units whose header passed, in the order of `checks`
+    checks: list[recyclable_unit.PayloadCheck] = []
     for data, block_hash in zip(values, block_hashes):
         if data is None:
             outcomes.append(None)
@@ -91,16 +92,16 @@ def check_units(values: list[bytes | None], block_hashes: list[bytes], model_fin
         except recyclable_unit.RUError as exc:
             outcomes.append(exc)
             continue
-        pending.append((len(outcomes), payload_check))
+        pending.append(len(outcomes))
+        checks.append(payload_check)
         outcomes.append(unit)
-    checks = [payload_check for _, payload_check in pending]
     num_shares = max(1, min(len(checks), _NUM_CORES))
     bounds = [len(checks) * i // num_shares for i in range(num_shares + 1)]
     others = [_SHARE_VERIFIERS.submit(_payload_failures, checks[a:b]) for a, b in zip(bounds[1:-1], bounds[2:])]
     failures = _payload_failures(checks[:bounds[1]])
     for share in others:
         failures += share.result()
-    for (index, _), failure in zip(pending, failures):
+    for index, failure in zip(pending, failures):
         if failure is not None:
             outcomes[index] = failure
     return outcomes
