@@ -17,8 +17,8 @@ one thread, then the payloads a share per core, as the worker's pool loader veri
 | hot, another host | the same request; the reply carries a ticket, the worker reads the units from the pool's block stream (TCP, loopback here) | the same memcpy |
 | hot, over NATS | the same, units inline in the reply (the fallback when the stream is off or unreachable) | the same memcpy |
 | warm, direct | `RedisTier.get_units`: MGETs of 16 keys, then the batch verified a share per core off the event loop | one raw MGET of all the keys (redis-py + hiredis), nothing verified; and the same MGETs of 16, nothing verified |
-| cold S3, direct | `S3Tier.get_unit` for every block at once (as the worker's loader) | raw `get_object` + read of the same objects, same threads, nothing verified |
-| cold folder, direct | `LocalDirTier.get_unit` for every block at once | raw reads of the same files |
+| cold S3, direct | `S3Tier.get_units` (as the worker's loader): every block read at once, then the batch verified a share per core off the event loop | raw `get_object` + read of the same objects, same threads, nothing verified |
+| cold folder, direct | `LocalDirTier.get_units`, the same way | raw reads of the same files |
 
 Each measurement is the median of `--repeat` rounds; in each round the path and its floor run back to back,
 so drift on this noisy machine hits both alike. Ratios are path / floor of the same run. Each timing ends
@@ -188,8 +188,7 @@ async def main() -> None:
             return found
 
         async def s3_path() -> int:
-            found = await asyncio.gather(*(s3.get_unit(fp_cold, h) for h in hashes_cold))
-            return sum(f is not None for f in found)
+            return sum(f is not None for f in await s3.get_units(fp_cold, hashes_cold))
 
         def s3_raw_one(name: str) -> bytes:
             return s3._s3.get_object(Bucket="kite-bench", Key=name)["Body"].read()
@@ -199,8 +198,7 @@ async def main() -> None:
             return sum(len(f) > 0 for f in found)
 
         async def local_path() -> int:
-            found = await asyncio.gather(*(local.get_unit(fp_cold, h) for h in hashes_cold))
-            return sum(f is not None for f in found)
+            return sum(f is not None for f in await local.get_units(fp_cold, hashes_cold))
 
         async def local_floor() -> int:
             found = await asyncio.gather(*(loop.run_in_executor(raw_threads, p.read_bytes) for p in local_paths))

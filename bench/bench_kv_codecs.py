@@ -17,7 +17,7 @@ redis-server and a real S3-compatible server (moto's, in its own process), both 
 block of those prompts becomes a recyclable unit of that codec (HMAC under a cluster key, a model
 fingerprint of its own per codec, as a lossy namespace would have) and is read back as a worker reads it:
 - warm: `RedisTier.get_units` (MGETs, each unit verified), then decoded to the model's dtype;
-- cold: `S3Tier.get_unit` for every block at once, verified, decoded;
+- cold: `S3Tier.get_units` (every block at once, the batch verified), decoded;
   figures: wire MB/s (unit bytes read per second) and KV MB/s (the fp16 bytes of the KV delivered per
   second: what a smaller codec buys);
 - hit TTFT: one prompt's prefix (its full blocks) fetched from warm, verified, decoded, put in the model's
@@ -168,7 +168,7 @@ async def measure_tiers(model, codecs: list[str], blocks: list[torch.Tensor], tt
                 decoded(await warm.get_units(fp, hashes), dtype)
                 times[codec]["warm"].append(time.perf_counter() - started)
                 started = time.perf_counter()
-                decoded(await asyncio.gather(*(s3.get_unit(fp, h) for h in hashes)), dtype)
+                decoded(await s3.get_units(fp, hashes), dtype)
                 times[codec]["cold"].append(time.perf_counter() - started)
                 started = time.perf_counter()
                 first = first_token_after(model, decoded(await warm.get_units(ttft_fp, ttft_hashes), dtype), tail)

@@ -213,8 +213,8 @@ class PoolLoader:
             for i, data in zip(from_pool, units):
                 results[i] = data
 
-        # Direct reads: the warm blocks in one pipelined batch, cold ones concurrently (and the warm
-        # batch's misses from cold after it). Each tier is observed once per fetch, its bytes over the
+        # Direct reads: the warm blocks in one pipelined batch, the cold ones in one batch of concurrent
+        # reads (and the warm batch's misses from cold after it). Each tier is observed once per fetch, its bytes over the
         # wall time until its last block arrived. (Observing each block over its own wall time would
         # count the shared bandwidth once per concurrent read: 16 reads would make a tier look 16 times
         # slower than it is, and the plan would stop using it for good.)
@@ -235,8 +235,9 @@ class PoolLoader:
         async def from_cold(indices: list[int]) -> None:
             if cold is None or not indices:
                 return
-            found = await asyncio.gather(*(cold.get_unit(model_fingerprint, bytes(hashes[i]), owner)
-                                           for i in indices))
+            # One batch: the reads run concurrently and the batch is verified a share per core off the
+            # event loop (per-block `get_unit` would verify each on the loop, one core).
+            found = await cold.get_units(model_fingerprint, [bytes(hashes[i]) for i in indices], owner)
             for i, hit in zip(indices, found):
                 take(i, hit, "c")
 

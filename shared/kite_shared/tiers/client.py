@@ -1,7 +1,8 @@
 """The warm + cold tiers as configured (TierConfig), for the ru-pool and for workers reading directly.
 
 A worker that got a PoolLookupReply can fetch the blocks itself: its PoolLoader reads a request's warm
-blocks with `warm.get_units` (one pipelined round trip) and cold ones with `cold.get_unit`; `fetch_chain`
+blocks with `warm.get_units` (one pipelined round trip) and cold ones with `cold.get_units` (concurrent
+reads, the batch verified a share per core off the event loop); `fetch_chain`
 (warm, then cold, per block, concurrently; stops at the first block it cannot get) serves tools and
 benchmarks. It never writes:
 the ru-pool owns writes, promotion and deletion (except that a unit failing verification is deleted by
