@@ -213,15 +213,18 @@ async def run_every(interval_s: float | Callable[[], float], work: Callable[[], 
         await asyncio.sleep(interval_s() if callable(interval_s) else interval_s)
 
 
-async def cancel_and_wait(tasks: list[asyncio.Task], recancel_interval_s: float = 0.5) -> None:
-    """Cancel `tasks` and wait until every one has ended. A task whose cancel was swallowed (Python 3.11's
-    wait_for, see run_every) is cancelled again each `recancel_interval_s`, so a stop never hangs on it."""
+async def cancel_and_wait(tasks: list[asyncio.Future], recancel_interval_s: float = 0.5) -> None:
+    """Cancel `tasks` (tasks, or futures such as a gather's) and wait until every one has ended. A task
+    whose cancel was swallowed (Python 3.11's wait_for, see run_every) is cancelled again each
+    `recancel_interval_s`, so a stop never hangs on it. An error other than the cancel is logged."""
     pending = set(tasks)
     while pending:
         for task in pending:
             task.cancel()
         _, pending = await asyncio.wait(pending, timeout=recancel_interval_s)
     for task in tasks:
+        # A gather cancelled from outside ends with CancelledError as its exception, not as cancelled().
         error = None if task.cancelled() else task.exception()
-        if error is not None:
-            log.warning("%s ended with %r while being stopped", task.get_name(), error)
+        if error is not None and not isinstance(error, asyncio.CancelledError):
+            name = task.get_name() if isinstance(task, asyncio.Task) else repr(task)
+            log.warning("%s ended with %r while being stopped", name, error)

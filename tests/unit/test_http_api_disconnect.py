@@ -132,3 +132,44 @@ async def test_a_streaming_client_gone_mid_stream_cancels_and_closes_every_gener
     assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [200]  # the stream had begun
     streamed = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     assert b"[DONE]" not in streamed  # cut short, not ended as if complete
+
+
+class StubbornGeneration(HangingGeneration):
+    """A generation whose wait swallows the first cancel, as Python 3.11's asyncio.wait_for does when the
+    cancel and the awaited result arrive together: only a second cancel ends it."""
+
+    async def events(self):
+        self.started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            pass  # swallowed: the task goes on
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        yield  # pragma: no cover - unreachable: makes this an async generator
+
+
+class StubbornClient(Client):
+    async def open(self, params):
+        generation = StubbornGeneration(self.started, False)
+        self.generations.append(generation)
+        return generation
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", BODIES)
+async def test_a_generation_that_swallows_a_cancel_is_cancelled_again_and_closed(path, stream):
+    client = StubbornClient(answer=False)
+    await call(client, path, {**BODIES[path], "stream": stream}, disconnect=True)
+    assert len(client.generations) == 2
+    assert [g.num_closes for g in client.generations] == [1, 1]  # each worker told to stop at once
+    # A stream's pumps may still be ending (the response's cancel scope does not wait for them): the
+    # second cancel comes within cancel_and_wait's interval (0.5 s).
+    for _ in range(40):
+        if all(g.cancelled for g in client.generations):
+            break
+        await asyncio.sleep(0.05)
+    assert all(g.cancelled for g in client.generations)

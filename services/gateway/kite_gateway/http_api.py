@@ -36,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kite_shared.messages import StreamEnd, TokenChunk
-from kite_shared.service import tenant_var
+from kite_shared.service import cancel_and_wait, tenant_var
 from kite_gateway.auth import Authenticator
 from kite_gateway.errors import ApiError
 from kite_gateway.generation import (Generation, GenerationClient, GenerationParams, collect, gather_open,
@@ -407,10 +407,10 @@ async def _unless_disconnected(request: Request, work):
     try:
         done, _ = await asyncio.wait({work_task, listener}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        listener.cancel()
-        if not work_task.done():
-            work_task.cancel()
-        await asyncio.gather(listener, work_task, return_exceptions=True)  # the generations' close() runs here
+        # The generations' close() runs here. Cancelled until they end: a cancel can be swallowed (Python
+        # 3.11's wait_for, when it meets its result), and one cancel would leave the request to run on.
+        await cancel_and_wait([task for task in (listener, work_task) if not task.done()])
+        await asyncio.gather(listener, work_task, return_exceptions=True)  # ended: retrieves their outcomes
     if work_task in done:
         return work_task.result()
     log.info("client disconnected before its response; generation cancelled")
@@ -470,8 +470,16 @@ async def _merged(generations: list[Generation]) -> AsyncIterator[tuple[int, Tok
             if isinstance(item, StreamEnd):
                 remaining -= 1
     finally:
-        for task in tasks:
-            task.cancel()
+        # Each pump is cancelled until it ends (a cancel can be swallowed). Shielded and held: when the
+        # client goes away, the streaming response's cancel scope cancels every await in here again, so
+        # the wait may go on after this generator has ended.
+        ending = asyncio.ensure_future(cancel_and_wait(tasks))
+        _ENDING.add(ending)
+        ending.add_done_callback(_ENDING.discard)
+        await asyncio.shield(ending)
+
+
+_ENDING: set[asyncio.Future] = set()  # streams' pump cancellations under way (asyncio keeps tasks weakly)
 
 
 async def _stream_choices(kind: str, response_id: str, body, generations: list[Generation], started: float,
