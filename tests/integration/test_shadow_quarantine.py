@@ -124,10 +124,16 @@ def test_planted_divergent_blocks_are_caught_and_the_namespace_quarantined(fresh
         time.sleep(0.3)
     assert [d.target for d in quarantines(stack)] == [base.fingerprint_hex]
 
-    # An operator clears it: blocks are computed anew (correctly) and reused again.
+    # An operator clears it: blocks are computed anew (correctly) and reused again, once the clearing
+    # has reached the worker (a decision over NATS: on a loaded 2-core VM it took longer than 0.5 s).
     assert admin(stack.nats.url, "clear_quarantine", model_fingerprint=base.fingerprint_hex).ok
-    time.sleep(0.5)
-    chat(stack, QUESTIONS[0])
-    again = chat(stack, QUESTIONS[1])
-    assert cached(again) > 0 and answer(again) == references[QUESTIONS[1]]
+    deadline = time.monotonic() + 30
+    while True:
+        assert answer(chat(stack, QUESTIONS[0])) == references[QUESTIONS[0]]
+        again = chat(stack, QUESTIONS[1])
+        assert answer(again) == references[QUESTIONS[1]]
+        if cached(again) > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(THINK_S)
+    assert cached(again) > 0
     assert not quarantines(stack)
