@@ -96,6 +96,14 @@ def test_grpc_text_equals_http_text(kite_stack, stub):
     assert r.status_code == 200, r.text
     assert "".join(c.text for c in chunks) == r.json()["choices"][0]["message"]["content"]
     assert end.usage.completion_tokens == r.json()["usage"]["completion_tokens"]
+    assert not end.HasField("semantic_cache")  # reported only when asked for
+
+
+def test_semantic_cache_off_in_the_deployment_is_a_bypass(kite_stack, stub):
+    chunks, end = _generate(stub, model=kite_stack.model, messages=QUESTION, temperature=0, max_tokens=5,
+                            semantic_cache=True)
+    assert "".join(c.text for c in chunks) and end.semantic_cache.outcome == "bypass"
+    assert "KITE_SEMANTIC_CACHE_TENANTS" in end.semantic_cache.reason
 
 
 def test_prompt_string_and_token_id_inputs(kite_stack, stub):

@@ -7,6 +7,8 @@ processes, the real model, the real embedding model), two tenants with API keys:
   its own;
 - its negation, from the first tenant, is guarded (computed), however similar it embeds;
 - requests that did not ask, or cannot be cached (temperature above 0), say nothing / bypass;
+- gRPC calls learn and hit the same entries as HTTP requests (a hit: the text, no token ids, the
+  computation's counts), tenants apart; token-id prompts bypass;
 - the gateway's metrics count the outcomes.
 
 The knobs make one same-answer observation enough for a threshold (delta 0.5, one observation, no
@@ -20,10 +22,12 @@ import json
 import secrets
 import time
 
+import grpc
 import httpx
 import pytest
 
 from kite_cli.stack import StackOptions
+from kite_shared.grpc_gen import kite_pb2, kite_pb2_grpc
 from kite_shared.security import hash_api_key
 from tests.integration.conftest import MODEL, _start
 
@@ -118,3 +122,54 @@ def test_requests_that_do_not_ask_or_cannot_be_cached(stack):
     counts = {line.split('"')[1]: float(line.split()[-1]) for line in metrics.splitlines()
               if line.startswith("kite_gateway_semantic_cache_lookups_total{")}
     assert counts.get("bypass", 0) >= 1 and counts.get("hit", 0) >= 1 and counts.get("guarded", 0) >= 1
+
+
+def grpc_ask(stack, key: str, question: str | None = None, semantic_cache: bool = True,
+             **fields) -> tuple[str, list[int], kite_pb2.End]:
+    """(text, token ids, End) of one Generate call: `question` as a chat, or `fields`' input."""
+    if question is not None:
+        fields["messages"] = kite_pb2.ChatMessages(messages=[kite_pb2.Message(role="user", content=question)])
+    request = kite_pb2.GenerateRequest(**{"model": MODEL, "temperature": 0, "max_tokens": 12,
+                                          "semantic_cache": semantic_cache, **fields})
+    with grpc.insecure_channel(stack.grpc_target) as channel:
+        responses = list(kite_pb2_grpc.KiteStub(channel).Generate(
+            request, timeout=120, metadata=(("authorization", f"Bearer {key}"),)))
+    assert [r.WhichOneof("event") for r in responses][-1] == "end"
+    chunks = [r.chunk for r in responses[:-1]]
+    return "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], responses[-1].end
+
+
+def test_grpc_calls_learn_and_hit_the_entries_http_requests_share(stack):
+    question = f"In one sentence, what is the capital city of Italy? (check {secrets.token_hex(3)})"
+    computed, token_ids, end = grpc_ask(stack, ALICE_KEY, question)
+    # Computed: no entry near it, or the nearest (France, when the test above ran) names another country.
+    assert end.semantic_cache.outcome in ("miss", "guarded") and computed and token_ids
+
+    # The gRPC answer became an entry: HTTP asks the same (explored first when no threshold exists yet; the
+    # entry and the label are written after the answers were sent) until the entry answers.
+    deadline = time.monotonic() + 10
+    while (http := ask(stack, ALICE_KEY, question)) and outcome(http) != "hit" and time.monotonic() < deadline:
+        assert answer(http) == computed
+        time.sleep(0.2)
+    assert outcome(http) == "hit" and answer(http) == computed
+
+    text, token_ids, hit = grpc_ask(stack, ALICE_KEY, question)
+    assert hit.semantic_cache.outcome == "hit" and hit.semantic_cache.HasField("similarity")
+    assert text == computed and token_ids == []  # the cache keeps answers as text
+    # The counts of the computation behind the entry (cached tokens may differ: an HTTP run's entry may
+    # be the nearest, computed with the prefix reused).
+    assert (hit.usage.prompt_tokens, hit.usage.completion_tokens, hit.finish_reason) == \
+        (end.usage.prompt_tokens, end.usage.completion_tokens, end.finish_reason)
+
+    _, bob_token_ids, bob = grpc_ask(stack, BOB_KEY, question)  # never alice's entry (similarity 1)
+    assert bob.semantic_cache.outcome in ("miss", "guarded") and bob_token_ids
+    assert not bob.semantic_cache.HasField("similarity") or bob.semantic_cache.similarity < 0.999
+
+
+def test_grpc_calls_that_do_not_ask_or_cannot_be_cached(stack):
+    _, token_ids, plain = grpc_ask(stack, ALICE_KEY, QUESTION, semantic_cache=False)
+    assert not plain.HasField("semantic_cache") and token_ids
+    _, _, ids = grpc_ask(stack, ALICE_KEY, prompt_token_ids=kite_pb2.TokenIds(ids=[504, 3458, 314]))
+    assert ids.semantic_cache.outcome == "bypass" and "text prompts" in ids.semantic_cache.reason
+    _, _, sampled = grpc_ask(stack, ALICE_KEY, QUESTION, seed=1, temperature=0.7)
+    assert sampled.semantic_cache.outcome == "bypass" and "temperature" in sampled.semantic_cache.reason

@@ -102,6 +102,15 @@ async def test_two_gateways_share_entries_and_labels(gateways):
     assert (await ask(late, "Which city is the capital of France?")).outcome == "hit"
 
 
+async def test_a_cancelled_generation_is_not_learnt(gateways):
+    east = gateways("east")
+    miss = await ask(east, "What is the capital of France?")
+    east.learn(miss, "Par", {"finish_reason": "cancelled", "usage": {"completion_tokens": 1}})  # cut short
+    await east.settled()
+    assert replica(east).num_entries(miss.namespace) == 0
+    assert (await ask(east, "What is the capital of France?")).outcome == "miss"
+
+
 async def test_concurrent_lookups_apply_each_label_once(gateways):
     east, west = gateways("east"), gateways("west")
     await learnt(east, await ask(east, "What is the capital of France?"), "Paris.")

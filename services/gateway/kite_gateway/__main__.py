@@ -63,7 +63,7 @@ async def start_gateway(rt: ServiceRuntime, cfg: GatewayConfig) -> GenerationCli
     if cfg.grpc_port:
         from kite_gateway.grpc_api import start_grpc_server
 
-        grpc_server = await start_grpc_server(client, cfg, authenticator, limiter)
+        grpc_server = await start_grpc_server(client, cfg, authenticator, limiter, semantic)
         stoppers.append(lambda: grpc_server.stop(grace=30))
 
     async def drain() -> None:

@@ -15,6 +15,12 @@ A failing call carries trailing metadata `kite-error-code` (the code HTTP report
 a retry may succeed, `retry-after` (seconds). The client's deadline bounds admission and streaming; when
 the call ends early (deadline, client cancel, error) the generation is closed, which tells the worker to
 stop and free its slot.
+
+Semantic response cache (`semantic.SemanticResponses`, opt-in): a request with `semantic_cache` set is
+looked up after its rate permit and before any generation opens, exactly as over HTTP and in the same
+entries; a hit streams the entry's answer as one Chunk (text, no token ids) and an End with the usage of the
+computation that produced it, charging no token; a computed answer is handed to `learn()` once it ended.
+End.semantic_cache carries the outcome.
 """
 
 from __future__ import annotations
@@ -31,9 +37,10 @@ from kite_shared.messages import StreamEnd
 from kite_shared.service import tenant_var
 from kite_gateway.auth import Authenticator
 from kite_gateway.errors import ApiError
-from kite_gateway.generation import GenerationClient, prompt_size, rate_permit
+from kite_gateway.generation import GenerationClient, GenerationParams, prompt_size, rate_permit
 from kite_gateway.normalize import InvalidArgument, grpc_params
-from kite_gateway.rate_limit import TenantRateLimiter
+from kite_gateway.rate_limit import Permit, TenantRateLimiter
+from kite_gateway.semantic import Consulted, SemanticResponses, answer_details, bypass, counted
 
 log = logging.getLogger(__name__)
 
@@ -114,10 +121,12 @@ class _Failure(Exception):
 
 class KiteService(kite_pb2_grpc.KiteServicer):
     def __init__(self, client: GenerationClient, authenticator: Authenticator | None = None,
-                 rate_limiter: TenantRateLimiter | None = None) -> None:
+                 rate_limiter: TenantRateLimiter | None = None,
+                 semantic: SemanticResponses | None = None) -> None:
         self._client = client
         self._auth = authenticator or Authenticator.disabled()
         self._limiter = rate_limiter or TenantRateLimiter()
+        self._semantic = semantic  # None: KITE_SEMANTIC_CACHE_TENANTS is empty
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> str:
         if not self._auth.enabled:
@@ -162,20 +171,29 @@ class KiteService(kite_pb2_grpc.KiteServicer):
         deadline = asyncio.timeout(context.time_remaining())
         try:
             async with deadline:
+                consulted = await self._consult(request, params, tenant)
+                if consulted is not None and consulted.outcome == "hit":
+                    for response in _cached_answer(consulted, permit):
+                        await context.write(response)
+                    return
                 try:
                     generation = await self._client.open(params)
                 except BaseException:
                     permit.refund()  # refused before any token was computed
                     raise
+                texts: list[str] = []
                 try:
                     async for event in generation.events():
                         if deadline.expired():
                             # Its cancellation was lost: Python 3.11's wait_for (inside nats-py's next_msg)
                             # can return a message that arrived in the same instant and drop the cancel.
                             raise TimeoutError
+                        texts.append(event.text)
                         if isinstance(event, StreamEnd):
                             permit.settle(event.usage.prompt_tokens + event.usage.completion_tokens)
-                        for response in _responses(event):
+                            if consulted is not None and self._semantic is not None:
+                                self._semantic.learn(consulted, "".join(texts), answer_details(event))
+                        for response in _responses(event, consulted):
                             await context.write(response)
                 finally:
                     # Publishes a cancel to the workers unless the stream reached its end.
@@ -196,6 +214,17 @@ class KiteService(kite_pb2_grpc.KiteServicer):
             log.exception("Generate failed")
             raise _Failure(grpc.StatusCode.INTERNAL, "internal server error", "internal_error") from exc
 
+    async def _consult(self, request: kite_pb2.GenerateRequest, params: GenerationParams,
+                       tenant: str) -> Consulted | None:
+        """The semantic cache's outcome for a request that asked for it (None: it did not)."""
+        if not request.semantic_cache:
+            return None
+        if self._semantic is None:
+            return counted(bypass("the semantic cache is off in this deployment (KITE_SEMANTIC_CACHE_TENANTS)"))
+        return await self._semantic.consult(tenant, params.model, "chat" if params.messages else "completion",
+                                            params.messages or [], params.prompt or "", params.sampling,
+                                            num_choices=1)
+
     async def Health(self, request: kite_pb2.HealthRequest,
                      context: grpc.aio.ServicerContext) -> kite_pb2.HealthResponse:
         fingerprinter, worker = await asyncio.gather(self._client.ping("fingerprinter"),
@@ -209,7 +238,7 @@ class KiteService(kite_pb2_grpc.KiteServicer):
                                        detail=f"No {missing} is alive and answering")
 
 
-def _responses(event) -> list[kite_pb2.GenerateResponse]:
+def _responses(event, consulted: Consulted | None) -> list[kite_pb2.GenerateResponse]:
     if not isinstance(event, StreamEnd):
         return [kite_pb2.GenerateResponse(chunk=kite_pb2.Chunk(text=event.text, token_ids=event.token_ids))]
     responses = []
@@ -220,8 +249,25 @@ def _responses(event) -> list[kite_pb2.GenerateResponse]:
     usage = kite_pb2.Usage(prompt_tokens=event.usage.prompt_tokens,
                            completion_tokens=event.usage.completion_tokens,
                            cached_tokens=event.usage.cached_tokens)
-    responses.append(kite_pb2.GenerateResponse(end=kite_pb2.End(finish_reason=event.finish_reason, usage=usage)))
+    responses.append(_end(event.finish_reason, usage, consulted))
     return responses
+
+
+def _cached_answer(consulted: Consulted, permit: Permit) -> list[kite_pb2.GenerateResponse]:
+    """A hit: the entry's answer as the stream a computation would have given, without its token ids."""
+    entry = consulted.entry
+    permit.settle(0)
+    usage = entry.details["usage"]  # OpenAI's shape (answer_details)
+    return [kite_pb2.GenerateResponse(chunk=kite_pb2.Chunk(text=entry.answer)),
+            _end(entry.details["finish_reason"], kite_pb2.Usage(
+                prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"],
+                cached_tokens=usage["prompt_tokens_details"]["cached_tokens"]), consulted)]
+
+
+def _end(finish_reason: str, usage: kite_pb2.Usage, consulted: Consulted | None) -> kite_pb2.GenerateResponse:
+    report = None if consulted is None else kite_pb2.SemanticCacheReport(**consulted.report())
+    return kite_pb2.GenerateResponse(end=kite_pb2.End(finish_reason=finish_reason, usage=usage,
+                                                      semantic_cache=report))
 
 
 def bind_address(host: str, port: int) -> str:
@@ -233,7 +279,8 @@ def bind_address(host: str, port: int) -> str:
 
 async def start_grpc_server(client: GenerationClient, cfg: GatewayConfig,
                             authenticator: Authenticator | None = None,
-                            rate_limiter: TenantRateLimiter | None = None) -> grpc.aio.Server:
+                            rate_limiter: TenantRateLimiter | None = None,
+                            semantic: SemanticResponses | None = None) -> grpc.aio.Server:
     """Serve kite.v1.Kite on cfg.host:cfg.grpc_port; the caller stops it (server.stop(grace)) to drain."""
     server = grpc.aio.server(options=[
         # gRPC sets SO_REUSEPORT by default, which would let a second gateway silently share the port
@@ -242,7 +289,7 @@ async def start_grpc_server(client: GenerationClient, cfg: GatewayConfig,
         # The same request size bound as the HTTP API.
         ("grpc.max_receive_message_length", cfg.max_body_bytes),
     ])
-    _add_servicer(KiteService(client, authenticator, rate_limiter), server)
+    _add_servicer(KiteService(client, authenticator, rate_limiter, semantic), server)
     address = bind_address(cfg.host, cfg.grpc_port)
     try:
         port = server.add_insecure_port(address)

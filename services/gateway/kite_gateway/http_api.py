@@ -45,7 +45,7 @@ from kite_gateway.normalize import chat_params, completion_params
 from kite_gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
                                           batch_usage_body, now, usage_body)
 from kite_gateway.rate_limit import Permit, TenantRateLimiter
-from kite_gateway.semantic import Consulted, SemanticResponses, bypass, counted
+from kite_gateway.semantic import Consulted, SemanticResponses, answer_details, bypass, counted
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +280,7 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
     def learn(consulted: Consulted | None, results: list[tuple[str, StreamEnd]]) -> None:
         if consulted is not None and semantic is not None and len(results) == 1:
             text, end = results[0]
-            semantic.learn(consulted, text, {"finish_reason": end.finish_reason, "usage": usage_body([end])})
+            semantic.learn(consulted, text, answer_details(end))
 
     async def generate(request: Request, permit: Permit, params: list[GenerationParams], id_prefix: str,
                        stream_events) -> Response | tuple[str, dict[str, str], list]:

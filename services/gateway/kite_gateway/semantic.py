@@ -1,8 +1,8 @@
 """The gateway's semantic response cache (issue 17): whole answers reused by meaning, opt-in per tenant
 (KITE_SEMANTIC_CACHE_TENANTS) and per request (`kite: {"semantic_cache": true}`).
 
-Boundary: the HTTP API asks `consult()` before it opens any generation and hands the computed answer to
-`learn()` afterwards; this module knows the embedder, Redis and the decision core
+Boundary: the HTTP and gRPC APIs ask `consult()` before they open any generation and hand the computed
+answer to `learn()` once it ended (a cancelled one is not an answer); this module knows the embedder, Redis and the decision core
 (kite_shared.semantic_cache, which holds the algorithm); nothing of HTTP.
 
 Which requests: only those whose answer is a function of the prompt: temperature 0, one choice, one text
@@ -57,11 +57,12 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from kite_shared.config import GatewayConfig
-from kite_shared.messages import ChatMessage, SamplingParams
+from kite_shared.messages import ChatMessage, SamplingParams, StreamEnd
 from kite_shared.security import semantic_cache_key
 from kite_shared.semantic_cache import CacheEntry, CacheEvent, Lookup, Namespace, SemanticCache
 from kite_shared.tiers.warm import redis_client
 from kite_gateway.fleet import Fleet
+from kite_gateway.openai_protocol import usage_body
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,12 @@ def counted(consulted: Consulted) -> Consulted:
 def same_answer(a: str, b: str) -> bool:
     """For greedy decoding: the same text once whitespace and case are normalised."""
     return _WHITESPACE.sub(" ", a).strip().casefold() == _WHITESPACE.sub(" ", b).strip().casefold()
+
+
+def answer_details(end: StreamEnd) -> dict:
+    """What an entry keeps of its computation besides the text: how it ended and its usage (OpenAI's
+    shape), given back with every hit."""
+    return {"finish_reason": end.finish_reason, "usage": usage_body([end])}
 
 
 def request_key(kind: str, context: list[ChatMessage], sampling: SamplingParams) -> str:
@@ -359,8 +366,8 @@ class SemanticResponses:
     def learn(self, consulted: Consulted, answer: str, details: dict) -> None:
         """The computed answer of a request the cache did not answer: a label, an entry, or both. The store
         is written by a background task (never on the response's path)."""
-        if consulted.outcome in ("hit", "bypass"):
-            return
+        if consulted.outcome in ("hit", "bypass") or details.get("finish_reason") == "cancelled":
+            return  # a cancelled generation's text is not the answer
         task = asyncio.create_task(self._learn(consulted, answer, details))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)

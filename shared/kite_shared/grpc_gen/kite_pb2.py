@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nkite.proto\x12\x07kite.v1\"(\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"2\n\x0c\x43hatMessages\x12\"\n\x08messages\x18\x01 \x03(\x0b\x32\x10.kite.v1.Message\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xda\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x01(\x0b\x32\x15.kite.v1.ChatMessagesH\x00\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12-\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x11.kite.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x15\n\rdisable_reuse\x18\n \x01(\x08\x12\x12\n\ncache_salt\x18\x0b \x01(\tB\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"(\n\x05\x43hunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\";\n\x03\x45nd\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1d\n\x05usage\x18\x02 \x01(\x0b\x32\x0e.kite.v1.Usage\"Y\n\x10GenerateResponse\x12\x1f\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x0e.kite.v1.ChunkH\x00\x12\x1b\n\x03\x65nd\x18\x02 \x01(\x0b\x32\x0c.kite.v1.EndH\x00\x42\x07\n\x05\x65vent\"\x0f\n\rHealthRequest\"\x9b\x01\n\x0eHealthResponse\x12.\n\x06status\x18\x01 \x01(\x0e\x32\x1e.kite.v1.HealthResponse.Status\x12\x14\n\x0clive_workers\x18\x02 \x01(\r\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"3\n\x06Status\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\x32\x84\x01\n\x04Kite\x12\x41\n\x08Generate\x12\x18.kite.v1.GenerateRequest\x1a\x19.kite.v1.GenerateResponse0\x01\x12\x39\n\x06Health\x12\x16.kite.v1.HealthRequest\x1a\x17.kite.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nkite.proto\x12\x07kite.v1\"(\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"2\n\x0c\x43hatMessages\x12\"\n\x08messages\x18\x01 \x03(\x0b\x32\x10.kite.v1.Message\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf2\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x01(\x0b\x32\x15.kite.v1.ChatMessagesH\x00\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12-\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x11.kite.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x15\n\rdisable_reuse\x18\n \x01(\x08\x12\x12\n\ncache_salt\x18\x0b \x01(\t\x12\x16\n\x0esemantic_cache\x18\x0c \x01(\x08\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"(\n\x05\x43hunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"q\n\x03\x45nd\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1d\n\x05usage\x18\x02 \x01(\x0b\x32\x0e.kite.v1.Usage\x12\x34\n\x0esemantic_cache\x18\x03 \x01(\x0b\x32\x1c.kite.v1.SemanticCacheReport\"\x84\x01\n\x13SemanticCacheReport\x12\x0f\n\x07outcome\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x17\n\nsimilarity\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\tthreshold\x18\x04 \x01(\x01H\x01\x88\x01\x01\x42\r\n\x0b_similarityB\x0c\n\n_threshold\"Y\n\x10GenerateResponse\x12\x1f\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x0e.kite.v1.ChunkH\x00\x12\x1b\n\x03\x65nd\x18\x02 \x01(\x0b\x32\x0c.kite.v1.EndH\x00\x42\x07\n\x05\x65vent\"\x0f\n\rHealthRequest\"\x9b\x01\n\x0eHealthResponse\x12.\n\x06status\x18\x01 \x01(\x0e\x32\x1e.kite.v1.HealthResponse.Status\x12\x14\n\x0clive_workers\x18\x02 \x01(\r\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"3\n\x06Status\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\x32\x84\x01\n\x04Kite\x12\x41\n\x08Generate\x12\x18.kite.v1.GenerateRequest\x1a\x19.kite.v1.GenerateResponse0\x01\x12\x39\n\x06Health\x12\x16.kite.v1.HealthRequest\x1a\x17.kite.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,21 +38,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=117
   _globals['_TOKENIDS']._serialized_end=140
   _globals['_GENERATEREQUEST']._serialized_start=143
-  _globals['_GENERATEREQUEST']._serialized_end=489
-  _globals['_CHUNK']._serialized_start=491
-  _globals['_CHUNK']._serialized_end=531
-  _globals['_USAGE']._serialized_start=533
-  _globals['_USAGE']._serialized_end=613
-  _globals['_END']._serialized_start=615
-  _globals['_END']._serialized_end=674
-  _globals['_GENERATERESPONSE']._serialized_start=676
-  _globals['_GENERATERESPONSE']._serialized_end=765
-  _globals['_HEALTHREQUEST']._serialized_start=767
-  _globals['_HEALTHREQUEST']._serialized_end=782
-  _globals['_HEALTHRESPONSE']._serialized_start=785
-  _globals['_HEALTHRESPONSE']._serialized_end=940
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=889
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=940
-  _globals['_KITE']._serialized_start=943
-  _globals['_KITE']._serialized_end=1075
+  _globals['_GENERATEREQUEST']._serialized_end=513
+  _globals['_CHUNK']._serialized_start=515
+  _globals['_CHUNK']._serialized_end=555
+  _globals['_USAGE']._serialized_start=557
+  _globals['_USAGE']._serialized_end=637
+  _globals['_END']._serialized_start=639
+  _globals['_END']._serialized_end=752
+  _globals['_SEMANTICCACHEREPORT']._serialized_start=755
+  _globals['_SEMANTICCACHEREPORT']._serialized_end=887
+  _globals['_GENERATERESPONSE']._serialized_start=889
+  _globals['_GENERATERESPONSE']._serialized_end=978
+  _globals['_HEALTHREQUEST']._serialized_start=980
+  _globals['_HEALTHREQUEST']._serialized_end=995
+  _globals['_HEALTHRESPONSE']._serialized_start=998
+  _globals['_HEALTHRESPONSE']._serialized_end=1153
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=1102
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=1153
+  _globals['_KITE']._serialized_start=1156
+  _globals['_KITE']._serialized_end=1288
 # @@protoc_insertion_point(module_scope)

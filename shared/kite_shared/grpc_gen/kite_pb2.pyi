@@ -28,7 +28,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "messages", "prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "seed", "stop", "disable_reuse", "cache_salt")
+    __slots__ = ("model", "messages", "prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "seed", "stop", "disable_reuse", "cache_salt", "semantic_cache")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     DISABLE_REUSE_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    SEMANTIC_CACHE_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: ChatMessages
     prompt: str
@@ -51,7 +52,8 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     disable_reuse: bool
     cache_salt: str
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., disable_reuse: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    semantic_cache: bool
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., disable_reuse: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., semantic_cache: _Optional[bool] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("text", "token_ids")
@@ -72,12 +74,26 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class End(_message.Message):
-    __slots__ = ("finish_reason", "usage")
+    __slots__ = ("finish_reason", "usage", "semantic_cache")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    SEMANTIC_CACHE_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     usage: Usage
-    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    semantic_cache: SemanticCacheReport
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., semantic_cache: _Optional[_Union[SemanticCacheReport, _Mapping]] = ...) -> None: ...
+
+class SemanticCacheReport(_message.Message):
+    __slots__ = ("outcome", "reason", "similarity", "threshold")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SIMILARITY_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    outcome: str
+    reason: str
+    similarity: float
+    threshold: float
+    def __init__(self, outcome: _Optional[str] = ..., reason: _Optional[str] = ..., similarity: _Optional[float] = ..., threshold: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "end")
