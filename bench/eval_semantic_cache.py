@@ -143,14 +143,14 @@ def main() -> None:
                         cache.record(lookup, correct)
                     if counted:
                         learned.add(pair["kind"], lookup.outcome == "hit", correct)
-            thresholds.append(cache.calibration.threshold())
+            thresholds.append(cache.calibration_of(NAMESPACE.tenant).threshold())
 
     print(f"\nfixed threshold {args.fixed_threshold} cosine, no guard:   {fixed.line()}")
     print(f"fixed threshold {args.fixed_threshold} cosine, KITE's guard: {fixed_guarded.line()}")
     print(f"KITE, delta {args.delta:.0%} at confidence {args.confidence}, learned ({args.folds}-fold, "
           f"{args.seeds} shuffles; held-out folds): {learned.line()}")
     finite = [t for t in thresholds if np.isfinite(t)]
-    print(f"  learned shared threshold after each run: {len(finite)} of {len(thresholds)} found"
+    print(f"  learned threshold (the one tenant's) after each run: {len(finite)} of {len(thresholds)} found"
           + (f", {min(finite):.3f}-{max(finite):.3f}" if finite else ""))
     if args.json:
         Path(args.json).write_text(json.dumps({

@@ -8,7 +8,7 @@ nothing, so no event is stored twice.
 
 The algorithm, for one request whose answer is a function of its prompt (temperature 0, one model
 fingerprint, one set of sampling parameters: the `namespace`, which also holds the tenant, so nothing is
-ever shared across tenants):
+ever shared across tenants, entries nor statistics):
 1. Nearest neighbour. The entry of the namespace whose prompt embedding has the highest cosine
    similarity `s` with the request's (an HNSW index per namespace, usearch; the exact cosine of the entry
    it finds is what the next steps use). Below `min_similarity` the request is a plain miss.
@@ -21,12 +21,16 @@ ever shared across tenants):
    whatever `s` is ("guarded").
 3. Threshold (vCache's idea, ICLR 2026: per-entry thresholds learned online so that the share of wrong
    cached answers stays below a chosen `delta`). Every answer computed for a request that had a
-   neighbour is an observation `(s, same answer?)`. The shared threshold `t` is the lowest similarity
-   such that, among the observations at or above it, the upper confidence bound (Wilson, one-sided, at
-   `confidence`) of the share of different answers is at most `delta` and at least `min_observations`
-   were seen. Each entry then raises its own threshold above the highest similarity at which a request
+   neighbour is an observation `(s, same answer?)`. The tenant's threshold `t` (one calibration per
+   tenant, shared by its namespaces) is the lowest similarity such that, among the observations at or
+   above it, the upper confidence bound (Wilson, one-sided, at `confidence`) of the share of different
+   answers is at most `delta` and at least `min_observations` were seen. Each entry then raises its own threshold above the highest similarity at which a request
    near it turned out to have a different answer (`CacheEntry.wrong_above`): an entry that once misled
    never misleads at that similarity again. The request is a hit when `s >= max(t, entry's)`.
+   Why per tenant: the bound holds over the traffic that taught it. Pooled across tenants, one tenant's
+   labels would set another's error rate: prompts whose answers agree at low similarity (one-token
+   answers, say) would lower the threshold for a tenant whose answers do not, whether by accident or on
+   purpose. The price is a warm-up per tenant.
 4. Exploration. Until the threshold exists every request with a neighbour is computed and labelled; after
    it, a hit is still computed instead with probability `explore_fraction`, so labels keep arriving and a
    threshold that drifted (new kinds of prompts) is found out. An explored request whose answer differs
@@ -97,6 +101,7 @@ class CacheEvent:
     entry: CacheEntry | None  # None only for an observation read back from a store (it names no entry)
     similarity: float = math.nan  # "observed" only
     same_answer: bool = False  # "observed" only
+    tenant: str = ""  # "observed" only: whose calibration it teaches
 
 
 class Calibration:
@@ -149,13 +154,17 @@ class Calibration:
 
 
 class SemanticCache:
-    """Entries per namespace, one calibration for all (how similarity predicts a same answer is a property
-    of the embedding model and the LLM, not of a tenant; only statistics cross namespaces)."""
+    """Entries per namespace, a calibration per tenant (shared by the tenant's namespaces: its labels
+    accumulate faster than per namespace; never by two tenants, see step 3)."""
 
     def __init__(self, delta: float = 0.02, confidence: float = 0.8, min_similarity: float = 0.5,
                  min_observations: int = 20, explore_fraction: float = 0.05, max_entries: int = 10_000,
                  seed: int | None = None) -> None:
-        self.calibration = Calibration(delta, confidence, min_observations)
+        self.delta = delta
+        self.confidence = confidence
+        self.min_observations = min_observations
+        self._calibrations: dict[str, Calibration] = {}  # by tenant
+        Calibration(delta, confidence, min_observations)  # raises on bad knobs here, not at a first lookup
         self.min_similarity = min_similarity
         self.explore_fraction = explore_fraction
         self.max_entries = max_entries
@@ -175,7 +184,7 @@ class SemanticCache:
 
     def lookup(self, namespace: Namespace, prompt: str, vector: np.ndarray) -> Lookup:
         entry, similarity = self._nearest(namespace, vector)
-        threshold = self.calibration.threshold()
+        threshold = self.calibration_of(namespace.tenant).threshold()
         if entry is None or similarity < self.min_similarity:
             self.num_misses += 1
             return Lookup("miss", entry, similarity, threshold)
@@ -195,8 +204,9 @@ class SemanticCache:
         """The answer computed for an explored request was (not) the nearest entry's."""
         if lookup.outcome != "explore" or lookup.entry is None:
             raise ValueError(f"only an explored lookup is labelled, not a {lookup.outcome}")
-        self.calibration.observe(lookup.similarity, same_answer)
-        self._events.append(CacheEvent("observed", lookup.entry, lookup.similarity, same_answer))
+        tenant = lookup.entry.namespace.tenant
+        self.calibration_of(tenant).observe(lookup.similarity, same_answer)
+        self._events.append(CacheEvent("observed", lookup.entry, lookup.similarity, same_answer, tenant))
         entry = lookup.entry
         if not same_answer and lookup.similarity > entry.wrong_above:
             entry.wrong_above = lookup.similarity
@@ -219,7 +229,7 @@ class SemanticCache:
         kept, a threshold only rises), except "observed", which each replica must apply once."""
         entry = event.entry
         if event.kind == "observed":
-            self.calibration.observe(event.similarity, event.same_answer)
+            self.calibration_of(event.tenant).observe(event.similarity, event.same_answer)
         elif event.kind == "inserted":
             if self._find(entry.namespace, entry.entry_id) is None:
                 self._add(entry, queue_events=False)
@@ -257,6 +267,13 @@ class SemanticCache:
     def _remove(self, namespace: Namespace, entry_id: int) -> None:
         if self._entries.get(namespace, {}).pop(entry_id, None) is not None:
             self._indexes[namespace].remove(entry_id)
+
+    def calibration_of(self, tenant: str) -> Calibration:
+        calibration = self._calibrations.get(tenant)
+        if calibration is None:
+            calibration = self._calibrations[tenant] = Calibration(self.delta, self.confidence,
+                                                                   self.min_observations)
+        return calibration
 
     def take_events(self) -> list[CacheEvent]:
         events, self._events = self._events, []

@@ -3,8 +3,8 @@ processes, the real model, the real embedding model), two tenants with API keys:
 
 - a tenant's repeated question is computed (miss), computed again and compared (explore), then answered
   from the cache (hit) with the computed answer, as JSON and as a stream, without a worker;
-- the same question from the other tenant never gets the first tenant's entry (miss, computed), then hits
-  its own;
+- the same question from the other tenant never gets the first tenant's entry (miss, computed) nor its
+  threshold (explored), then hits its own;
 - its negation, from the first tenant, is guarded (computed), however similar it embeds;
 - requests that did not ask, or cannot be cached (temperature above 0), say nothing / bypass;
 - gRPC calls learn and hit the same entries as HTTP requests (a hit: the text, no token ids, the
@@ -104,9 +104,16 @@ def test_a_tenant_learns_then_hits_and_the_other_tenant_never_shares(stack):
     bob = ask(stack, BOB_KEY, QUESTION)  # the same question from another tenant: its own miss, computed
     assert outcome(bob) == "miss" and bob.headers.get("X-Kite-Worker")
     assert bob.json()["kite"]["semantic_cache"].get("similarity") is None  # bob has no entry near it
-    # Only statistics cross tenants: the threshold alice's labels taught now serves bob's own entry.
+    # Nor do labels: alice's threshold does not serve bob, whose own entry is explored until his label
+    # (written after the answer) teaches his threshold.
     bob_again = ask(stack, BOB_KEY, QUESTION)
-    assert outcome(bob_again) == "hit" and answer(bob_again) == answer(bob)
+    assert outcome(bob_again) == "explore" and answer(bob_again) == answer(bob)
+    assert "threshold" not in bob_again.json()["kite"]["semantic_cache"]
+    deadline = time.monotonic() + 10
+    while (bob_third := ask(stack, BOB_KEY, QUESTION)) and outcome(bob_third) != "hit" \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert outcome(bob_third) == "hit" and answer(bob_third) == answer(bob)
 
     negated = ask(stack, ALICE_KEY, NEGATED)
     assert outcome(negated) == "guarded" and negated.headers.get("X-Kite-Worker")

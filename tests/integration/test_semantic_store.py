@@ -36,7 +36,7 @@ def embed(texts: list[str]) -> np.ndarray:
 
 
 def gateway(redis_url: str, name: str, **overrides) -> SemanticResponses:
-    cfg = load(GatewayConfig, {}, redis_url=redis_url, semantic_cache_tenants="acme",
+    cfg = load(GatewayConfig, {}, redis_url=redis_url, semantic_cache_tenants="acme,globex",
                semantic_cache_delta=0.5, semantic_cache_min_observations=1, semantic_cache_explore_fraction=0.0,
                **overrides)
     fleet = Fleet(dead_after_s=60)
@@ -94,12 +94,28 @@ async def test_two_gateways_share_entries_and_labels(gateways):
     assert hit.outcome == "hit" and hit.entry.answer == "Paris." and hit.entry.details["finish_reason"] == "stop"
     assert (await ask(west, "Which city is the capital of France?")).outcome == "hit"
     for semantic in (east, west):  # the one label, applied once by each (west skips its own record)
-        assert replica(semantic).calibration.num_observations == 1
+        assert replica(semantic).calibration_of("acme").num_observations == 1
     assert (await ask(west, "Tell me a joke")).outcome == "miss"
-    other = await ask(west, "What is the capital of France?", tenant="globex")
+    other = await ask(west, "What is the capital of France?", tenant="initech")
     assert other.outcome == "bypass" and "tenant" in other.reason
     late = gateways("late")  # a gateway started later reads everything so far
     assert (await ask(late, "Which city is the capital of France?")).outcome == "hit"
+
+
+async def test_labels_reach_every_gateway_but_no_other_tenant(gateways):
+    east, west = gateways("east"), gateways("west")
+    await learnt(east, await ask(east, "What is the capital of France?"), "Paris.")
+    await learnt(west, await ask(west, "Which city is the capital of France?"), "Paris.")  # acme's label
+    assert (await ask(east, "Which city is the capital of France?")).outcome == "hit"
+
+    # globex asks the same on both: its own entry, and no threshold until its own labels teach one.
+    await learnt(west, await ask(west, "What is the capital of France?", tenant="globex"), "Paris.")
+    explored = await ask(east, "Which city is the capital of France?", tenant="globex")
+    assert explored.outcome == "explore" and explored.lookup.threshold == math.inf
+    await learnt(east, explored, "Paris.")
+    assert (await ask(west, "Which city is the capital of France?", tenant="globex")).outcome == "hit"
+    for semantic in (east, west):
+        assert [replica(semantic).calibration_of(t).num_observations for t in ("acme", "globex")] == [1, 1]
 
 
 async def test_a_cancelled_generation_is_not_learnt(gateways):
@@ -116,7 +132,7 @@ async def test_concurrent_lookups_apply_each_label_once(gateways):
     await learnt(east, await ask(east, "What is the capital of France?"), "Paris.")
     await learnt(west, await ask(west, "Which city is the capital of France?"), "Paris.")
     await asyncio.gather(*(ask(east, "Tell me a joke") for _ in range(8)))  # all read the same label
-    assert replica(east).calibration.num_observations == 1
+    assert replica(east).calibration_of("acme").num_observations == 1
 
 
 async def test_a_redis_that_is_gone_means_bypass_not_failure():
@@ -143,8 +159,8 @@ async def test_a_record_without_a_valid_mac_is_never_applied_and_costs_no_reques
 
     east = gateways("east")
     miss = await ask(east, "What is the capital of France?")
-    _, stream = east.store.keys(MODEL_FP, miss.namespace)
-    _, other_tenants_stream = east.store.keys(MODEL_FP, miss.namespace._replace(tenant="globex"))
+    _, stream = east.store.keys(miss.namespace)
+    _, other_tenants_stream = east.store.keys(miss.namespace._replace(tenant="globex"))
     planted = msgpack.packb({"origin": "mallory", "kind": "inserted", "id": 999,
                              "prompt": "What is the capital of France?", "answer": "Lyon.",
                              "vector": np.array([1.0, 0.0, 0.0], dtype=np.float32).tobytes(), "details": {},

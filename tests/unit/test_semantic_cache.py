@@ -1,5 +1,5 @@
 """The semantic cache's decisions: the guard, the learned threshold under its bound, per-entry thresholds,
-exploration, namespaces (tenants never share), eviction order and events. Vectors are made by hand: the
+exploration, namespaces and calibrations (tenants never share either), eviction order and events. Vectors are made by hand: the
 core never embeds."""
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ def at(similarity: float) -> np.ndarray:
 E0 = np.array([1.0, 0.0, 0.0], dtype=np.float32)
 
 
-def learned(cache: SemanticCache, low: float) -> SemanticCache:
-    """40 same answers observed from `low` up to 0.99: at delta 0.1 the threshold is `low`."""
+def learned(cache: SemanticCache, low: float, tenant: str = "acme") -> SemanticCache:
+    """40 same answers observed from `low` up to 0.99 for `tenant`: at delta 0.1 its threshold is `low`."""
     for s in np.linspace(low, 0.99, 40):
-        cache.calibration.observe(float(s), True)
-    assert cache.calibration.threshold() == pytest.approx(low)
+        cache.calibration_of(tenant).observe(float(s), True)
+    assert cache.calibration_of(tenant).threshold() == pytest.approx(low)
     return cache
 
 
@@ -76,7 +76,7 @@ def test_no_hit_before_the_threshold_is_learned_then_hits_above_it():
         lookup = cache.lookup(ACME, "Which city is the capital of France?", at(s))
         assert lookup.outcome == "explore" and lookup.entry is entry and lookup.similarity == pytest.approx(s, abs=1e-6)
         cache.record(lookup, same_answer=True)
-    assert cache.calibration.threshold() == pytest.approx(0.92, abs=1e-6)
+    assert cache.calibration_of("acme").threshold() == pytest.approx(0.92, abs=1e-6)
     hit = cache.lookup(ACME, "Which city is the capital of France?", at(0.95))
     assert hit.outcome == "hit" and hit.entry.answer == "Paris" and entry.num_hits == 1
     assert cache.lookup(ACME, "Which city is the capital of France?", at(0.9)).outcome == "explore"
@@ -97,8 +97,9 @@ def test_an_entry_that_misled_never_answers_at_that_similarity_again():
     assert entry.wrong_above == pytest.approx(0.97, abs=1e-6)
     events = cache.take_events()
     assert [(e.kind, e.entry.entry_id) for e in events] == [("observed", entry.entry_id), ("updated", entry.entry_id)]
-    assert (events[0].similarity, events[0].same_answer) == (pytest.approx(0.97, abs=1e-6), False)
-    assert cache.calibration.threshold() == pytest.approx(0.9)  # 1 wrong of 41: the shared bound still holds
+    assert (events[0].similarity, events[0].same_answer, events[0].tenant) == \
+        (pytest.approx(0.97, abs=1e-6), False, "acme")
+    assert cache.calibration_of("acme").threshold() == pytest.approx(0.9)  # 1 wrong of 41: the bound still holds
     assert cache.lookup(ACME, "What should I pack for a trip?", at(0.97)).outcome == "explore"
     assert cache.lookup(ACME, "What should I pack for a trip?", at(0.98)).outcome == "hit"
 
@@ -110,6 +111,18 @@ def test_tenants_never_share_an_answer():
     globex = cache.lookup(GLOBEX, "What is our refund policy?", E0)  # the same question, another tenant
     assert globex.outcome == "miss" and globex.entry is None
 
+
+def test_one_tenants_labels_never_set_another_tenants_threshold():
+    """Labels agreeing at low similarity (one-token answers, or planted) lower only their own tenant's
+    threshold: another tenant's near entry is still explored, not answered."""
+    cache = learned(SemanticCache.create_simulated(delta=0.1, confidence=0.8, min_observations=5,
+                                                   explore_fraction=0.0), low=0.55)
+    cache.insert(ACME, "Classify: the food was great", E0, "positive")
+    assert cache.lookup(ACME, "Classify: the room was dirty", at(0.6)).outcome == "hit"
+    cache.insert(GLOBEX, "How do I bake a cake?", E0, "Mix flour, eggs and sugar, then bake.")
+    baking = cache.lookup(GLOBEX, "How do I bake bread?", at(0.8))
+    assert baking.outcome == "explore" and baking.threshold == math.inf
+    assert cache.calibration_of("globex").num_observations == 0
 
 def test_entries_beyond_the_limit_go_least_recently_used_first():
     cache = learned(SemanticCache.create_simulated(delta=0.1, confidence=0.8, explore_fraction=0.0, max_entries=2),
@@ -148,8 +161,10 @@ def test_a_replica_applying_the_events_decides_as_the_original_and_queues_nothin
     for event in events + events[:1] + events[-1:]:  # an insertion or an update seen twice changes nothing
         replica.apply(event)
     assert replica.take_events() == []
-    assert replica.num_entries(ACME) == 1 and replica.calibration.num_observations == 6
-    assert replica.calibration.threshold() == original.calibration.threshold() == pytest.approx(0.95, abs=1e-6)
+    assert replica.num_entries(ACME) == 1 and replica.calibration_of("acme").num_observations == 6
+    assert replica.calibration_of("acme").threshold() == original.calibration_of("acme").threshold() == \
+        pytest.approx(0.95, abs=1e-6)
+    assert replica.calibration_of("globex").num_observations == 0
     assert replica.lookup(ACME, "", E0).entry.wrong_above == pytest.approx(0.94, abs=1e-6)
     for s, outcome in ((0.93, "explore"), (0.945, "explore"), (0.96, "hit"), (0.98, "hit")):
         mine, theirs = (c.lookup(ACME, "Which city is the capital of France?", at(s)) for c in (original, replica))

@@ -12,15 +12,19 @@ prompt (a chat's last message from the user), a model whose fingerprint every li
 What is compared: the last user message (a chat) or the prompt (a completion) is embedded; everything else
 that shapes the answer must be equal and goes into the namespace: the tenant, the model fingerprint, and a
 digest of the conversation before the last message and the sampling parameters (max_tokens, stop,
-ignore_eos). Tenants never share an entry; only the threshold's statistics cross tenants (per model).
+ignore_eos). Tenants never share an entry nor a threshold: each tenant's labels calibrate its own
+(kite_shared.semantic_cache, step 3, says why).
 
 Where entries live: in the warm tier's Redis, so every gateway answers from the same entries. Each gateway
 keeps a replica (a SemanticCache per model fingerprint, its HNSW index in memory) and, before a lookup,
 reads what others appended since it last looked (one XREAD of two streams, one round trip):
 
-    kite:sem:v2:{<model fp>}:ns:<namespace digest>  a stream of entry events: inserted, updated, evicted
-    kite:sem:v2:{<model fp>}:observations           a stream of labelled observations (the calibration)
-    kite:sem:v2:{<model fp>}:next_id                the counter that makes entry ids unique across gateways
+    kite:sem:v3:{<model fp>}:ns:<namespace digest>               a stream of entry events: inserted,
+                                                                 updated, evicted
+    kite:sem:v3:{<model fp>}:tenant:<tenant digest>:observations  a stream of one tenant's labelled
+                                                                 observations (its calibration)
+    kite:sem:v3:{<model fp>}:next_id                             the counter that makes entry ids unique
+                                                                 across gateways
 
 (The braces are a Redis Cluster hash tag: one model's keys share a slot, so one XREAD reads both streams.)
 A record names the gateway that wrote it, which skips its own on reading. Each record carries an
@@ -83,7 +87,8 @@ LOOKUP_SECONDS = Histogram("kite_gateway_semantic_cache_lookup_seconds",
                            buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
 
 Outcome = Literal["hit", "miss", "explore", "guarded", "bypass"]
-_KEY_PREFIX = "kite:sem:v2"  # v2: records carry a MAC (v1's, unsigned, are never read)
+# v3: observations per tenant (v2's streams mixed tenants, v1's were unsigned: neither is ever read)
+_KEY_PREFIX = "kite:sem:v3"
 _RECORDS_PER_READ = 1000
 _OBSERVATIONS_KEPT = 100_000  # the calibration's memory; a Wilson bound at 2% needs hundreds
 _RECORDS_PER_ENTRY = 4  # an entry's stream holds its insertion, an update or two, its eviction
@@ -164,22 +169,20 @@ class SemanticStore:
         return hmac.new(self.mac_key, stream_key.encode() + b"\x00" + record, hashlib.sha256).digest()
 
     @staticmethod
-    def keys(model_fingerprint: str, namespace: Namespace | None = None) -> tuple[str, str]:
-        """(observations stream, entry stream of `namespace` or the id counter)."""
-        base = f"{_KEY_PREFIX}:{{{model_fingerprint[:32]}}}"
-        if namespace is None:
-            return f"{base}:observations", f"{base}:next_id"
+    def keys(namespace: Namespace) -> tuple[str, str]:
+        """(the observations stream of the namespace's tenant, the namespace's entry stream)."""
+        base = f"{_KEY_PREFIX}:{{{namespace.model_fingerprint[:32]}}}"
+        tenant = hashlib.sha256(namespace.tenant.encode()).hexdigest()[:32]
         digest = hashlib.sha256("\x00".join(namespace).encode()).hexdigest()[:32]
-        return f"{base}:observations", f"{base}:ns:{digest}"
+        return f"{base}:tenant:{tenant}:observations", f"{base}:ns:{digest}"
 
     async def next_id(self, model_fingerprint: str) -> int:
-        return int(await self.redis.incr(self.keys(model_fingerprint)[1]))
+        return int(await self.redis.incr(f"{_KEY_PREFIX}:{{{model_fingerprint[:32]}}}:next_id"))
 
-    async def read(self, model_fingerprint: str, namespace: Namespace, after: dict[str, str]
-                   ) -> list[CacheEvent]:
+    async def read(self, namespace: Namespace, after: dict[str, str]) -> list[CacheEvent]:
         """Others' events on the two streams since the ids in `after` (stream key -> last id read,
         advanced in place)."""
-        observations, entries = self.keys(model_fingerprint, namespace)
+        observations, entries = self.keys(namespace)
         events: list[CacheEvent] = []
         while True:
             streams = {key: after.get(key, "0-0") for key in (observations, entries)}
@@ -212,11 +215,11 @@ class SemanticStore:
                                  "written by another version?")
             return None
 
-    async def append(self, model_fingerprint: str, events: list[CacheEvent]) -> None:
+    async def append(self, events: list[CacheEvent]) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
             touched = set()
             for event in events:
-                observations, entries = self.keys(model_fingerprint, event.entry.namespace)
+                observations, entries = self.keys(event.entry.namespace)
                 key, kept = (observations, _OBSERVATIONS_KEPT) if event.kind == "observed" else \
                     (entries, _RECORDS_PER_ENTRY * self.max_entries)
                 packed = msgpack.packb(_record_of(event, self.origin))
@@ -240,7 +243,8 @@ def _event_of(record: dict, namespace: Namespace) -> CacheEvent:
     kind = record["kind"]
     if kind == "observed":
         _expect(record, similarity=float, same=bool)
-        return CacheEvent("observed", None, record["similarity"], record["same"])
+        # The stream is the tenant's (its key is under the record's MAC).
+        return CacheEvent("observed", None, record["similarity"], record["same"], namespace.tenant)
     if kind not in ("inserted", "updated", "evicted"):
         raise ValueError(f"unknown kind {kind!r}")
     _expect(record, id=int, prompt=str, answer=str, vector=bytes, details=dict, wrong_above=float)
@@ -308,7 +312,7 @@ class SemanticResponses:
         return "*" in self.tenants or tenant in self.tenants
 
     def cache_for(self, model_fingerprint: str) -> SemanticCache:
-        """This gateway's replica of one model's entries and calibration."""
+        """This gateway's replica of one model's entries and calibrations."""
         cache = self._caches.get(model_fingerprint)
         if cache is None:
             cfg = self.cfg
@@ -350,7 +354,7 @@ class SemanticResponses:
             cache = self.cache_for(model_fingerprint)
             try:
                 async with self._reading:
-                    for event in await self.store.read(model_fingerprint, namespace, self._read_up_to):
+                    for event in await self.store.read(namespace, self._read_up_to):
                         try:
                             cache.apply(event)
                         except ValueError as exc:  # an embedding of other dimensions: another embedder's
@@ -385,7 +389,7 @@ class SemanticResponses:
             if add:
                 entry_id = await self.store.next_id(consulted.model_fingerprint)
                 cache.insert(consulted.namespace, consulted.text, consulted.vector, answer, details, entry_id)
-            await self.store.append(consulted.model_fingerprint, cache.take_events())
+            await self.store.append(cache.take_events())
         except (RedisError, OSError) as exc:
             STORE_ERRORS.inc()
             log.warning("the semantic cache's Redis cannot be written (%s); the answer is not shared", exc)
