@@ -173,3 +173,32 @@ async def test_a_generation_that_swallows_a_cancel_is_cancelled_again_and_closed
             break
         await asyncio.sleep(0.05)
     assert all(g.cancelled for g in client.generations)
+
+
+class SlowClosingGeneration(HangingGeneration):
+    """A generation whose close suspends (its cancel message waits for the connection's buffer): a caller
+    cancelled meanwhile must not leave it, or the generations after it, unclosed."""
+
+    async def close(self) -> None:
+        await asyncio.sleep(0.05)
+        self.num_closes += 1
+
+
+class SlowClosingClient(Client):
+    async def open(self, params):
+        generation = SlowClosingGeneration(self.started, False)
+        self.generations.append(generation)
+        return generation
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", BODIES)
+async def test_generations_whose_close_suspends_are_all_closed_when_the_client_goes(path, stream):
+    client = SlowClosingClient(answer=False)
+    await call(client, path, {**BODIES[path], "stream": stream}, disconnect=True)
+    assert len(client.generations) == 2
+    for _ in range(40):  # closes go on after the response's cancel scope gave up on them
+        if all(g.num_closes for g in client.generations):
+            break
+        await asyncio.sleep(0.05)
+    assert [g.num_closes for g in client.generations] == [1, 1]

@@ -313,8 +313,27 @@ async def collect(generation: Generation) -> tuple[str, StreamEnd]:
             if isinstance(event, StreamEnd):
                 return "".join(parts), event
     finally:
-        await generation.close()
+        await close_all([generation])
     raise ApiError.from_info(ErrorInfo(code="internal_error", message="stream ended without an end event"))
+
+
+async def close_all(generations: list[Generation]) -> None:
+    """Close every generation, each to its end even when the caller is cancelled meanwhile: a client gone
+    cancels its request's awaits (a streaming response's cancel scope, every await in its generator's
+    `finally`), and a close cut short leaves a worker generating for nobody until its idle timeout."""
+    closing = asyncio.gather(*(g.close() for g in generations))  # every close starts now
+    _CLOSING.add(closing)
+    closing.add_done_callback(_closed)
+    await asyncio.shield(closing)
+
+
+_CLOSING: set[asyncio.Future] = set()  # closes under way whose caller may be gone (asyncio keeps them weakly)
+
+
+def _closed(closing: asyncio.Future) -> None:
+    _CLOSING.discard(closing)
+    if not closing.cancelled() and closing.exception() is not None:  # retrieved: its caller may be gone
+        log.warning("closing a generation failed: %r", closing.exception())
 
 
 async def gather_open(client: GenerationClient, params: list[GenerationParams]) -> list[Generation]:
@@ -322,8 +341,6 @@ async def gather_open(client: GenerationClient, params: list[GenerationParams]) 
     results = await asyncio.gather(*(client.open(p) for p in params), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
-        for r in results:
-            if isinstance(r, Generation):
-                await r.close()
+        await close_all([r for r in results if isinstance(r, Generation)])
         raise errors[0]
     return list(results)  # type: ignore[arg-type]

@@ -37,7 +37,7 @@ from kite_shared.messages import StreamEnd
 from kite_shared.service import tenant_var
 from kite_gateway.auth import Authenticator
 from kite_gateway.errors import ApiError
-from kite_gateway.generation import GenerationClient, GenerationParams, prompt_size, rate_permit
+from kite_gateway.generation import GenerationClient, GenerationParams, close_all, prompt_size, rate_permit
 from kite_gateway.normalize import InvalidArgument, grpc_params
 from kite_gateway.rate_limit import Permit, TenantRateLimiter
 from kite_gateway.semantic import Consulted, SemanticResponses, answer_details, bypass, counted
@@ -197,7 +197,7 @@ class KiteService(kite_pb2_grpc.KiteServicer):
                             await context.write(response)
                 finally:
                     # Publishes a cancel to the workers unless the stream reached its end.
-                    await generation.close()
+                    await close_all([generation])
         except TimeoutError as exc:
             if not deadline.expired():
                 log.exception("Generate failed")

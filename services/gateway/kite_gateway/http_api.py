@@ -39,8 +39,8 @@ from kite_shared.messages import StreamEnd, TokenChunk
 from kite_shared.service import cancel_and_wait, tenant_var
 from kite_gateway.auth import Authenticator
 from kite_gateway.errors import ApiError
-from kite_gateway.generation import (Generation, GenerationClient, GenerationParams, collect, gather_open,
-                                     prompt_size, rate_permit)
+from kite_gateway.generation import (Generation, GenerationClient, GenerationParams, close_all, collect,
+                                     gather_open, prompt_size, rate_permit)
 from kite_gateway.normalize import chat_params, completion_params
 from kite_gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
                                           batch_usage_body, now, usage_body)
@@ -521,8 +521,7 @@ async def _stream_choices(kind: str, response_id: str, body, generations: list[G
     except ApiError as exc:
         yield exc.body()
     finally:
-        for generation in generations:
-            await generation.close()
+        await close_all(generations)
 
 
 def _chat_stream(response_id: str, body: ChatCompletionRequest, generations: list[Generation],
