@@ -54,13 +54,14 @@ class Fleet:
 class Client:
     fleet = Fleet()
 
-    def __init__(self, answer: bool) -> None:
+    def __init__(self, answer: bool, generation_class: type[HangingGeneration] = HangingGeneration) -> None:
         self.answer = answer
+        self.generation_class = generation_class
         self.started = asyncio.Event()
         self.generations: list[HangingGeneration] = []
 
     async def open(self, params):
-        generation = HangingGeneration(self.started, self.answer)
+        generation = self.generation_class(self.started, self.answer)
         self.generations.append(generation)
         return generation
 
@@ -95,6 +96,14 @@ async def call(client: Client, path: str, body: dict, disconnect: bool) -> list[
 
     await asyncio.wait_for(app(scope, receive, send), 5)
     return sent
+
+
+async def within_2_s(condition) -> None:
+    for _ in range(40):
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+    assert condition()
 
 
 BODIES = {"/v1/chat/completions": {"model": "m", "n": 2, "messages": [{"role": "user", "content": "hi"}]},
@@ -152,27 +161,16 @@ class StubbornGeneration(HangingGeneration):
         yield  # pragma: no cover - unreachable: makes this an async generator
 
 
-class StubbornClient(Client):
-    async def open(self, params):
-        generation = StubbornGeneration(self.started, False)
-        self.generations.append(generation)
-        return generation
-
-
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("path", BODIES)
 async def test_a_generation_that_swallows_a_cancel_is_cancelled_again_and_closed(path, stream):
-    client = StubbornClient(answer=False)
+    client = Client(answer=False, generation_class=StubbornGeneration)
     await call(client, path, {**BODIES[path], "stream": stream}, disconnect=True)
     assert len(client.generations) == 2
     assert [g.num_closes for g in client.generations] == [1, 1]  # each worker told to stop at once
     # A stream's pumps may still be ending (the response's cancel scope does not wait for them): the
     # second cancel comes within cancel_and_wait's interval (0.5 s).
-    for _ in range(40):
-        if all(g.cancelled for g in client.generations):
-            break
-        await asyncio.sleep(0.05)
-    assert all(g.cancelled for g in client.generations)
+    await within_2_s(lambda: all(g.cancelled for g in client.generations))
 
 
 class SlowClosingGeneration(HangingGeneration):
@@ -184,21 +182,11 @@ class SlowClosingGeneration(HangingGeneration):
         self.num_closes += 1
 
 
-class SlowClosingClient(Client):
-    async def open(self, params):
-        generation = SlowClosingGeneration(self.started, False)
-        self.generations.append(generation)
-        return generation
-
-
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("path", BODIES)
 async def test_generations_whose_close_suspends_are_all_closed_when_the_client_goes(path, stream):
-    client = SlowClosingClient(answer=False)
+    client = Client(answer=False, generation_class=SlowClosingGeneration)
     await call(client, path, {**BODIES[path], "stream": stream}, disconnect=True)
     assert len(client.generations) == 2
-    for _ in range(40):  # closes go on after the response's cancel scope gave up on them
-        if all(g.num_closes for g in client.generations):
-            break
-        await asyncio.sleep(0.05)
-    assert [g.num_closes for g in client.generations] == [1, 1]
+    # The closes go on after the response's cancel scope gave up on them.
+    await within_2_s(lambda: [g.num_closes for g in client.generations] == [1, 1])
