@@ -23,7 +23,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from kite_shared.messages import (AnyTelemetry, Decision, FingerprinterTelemetry, GatewayTelemetry,
-                                  PoolTelemetry, RoutingWeights, WorkerTelemetry)
+                                  PoolTelemetry, WorkerTelemetry)
 from kite_arbitrator.rules import Rule, RuleSet
 
 # a standby/active change is assumed lost if the worker's telemetry has not confirmed it by then

@@ -122,6 +122,7 @@ class ArbitratorService:
                 refuse=lambda error: ArbitratorAdminReply(ok=False, error=error.message)))
             for decision in await self.quarantine_store.load():  # kept across every replica's restart
                 self.quarantine.adopt(decision)
+            await self._quarantine_due()  # what crossed the threshold while nobody led
             await self._evaluate()
             await self._publish(self.quarantine.current())
         else:
@@ -146,12 +147,16 @@ class ArbitratorService:
     async def on_shadow_result(self, result: ShadowCheckResult) -> None:
         """Every replica counts shadow checks (a new leader knows the history); the leader quarantines."""
         RECEIVED.labels(result.KIND).inc()
-        decisions = self.quarantine.observe(result)
-        if decisions and self.leader:
-            log.error("quarantining namespace %s (%s): %s", decisions[0].namespace, result.model_fingerprint[:16],
-                      decisions[0].reason)
-            await self._publish(decisions)
-            await self.quarantine_store.save(decisions[0])
+        self.quarantine.observe(result)
+        if self.leader:
+            await self._quarantine_due()
+
+    async def _quarantine_due(self) -> None:
+        for decision in self.quarantine.due():
+            log.error("quarantining namespace %s (%s): %s", decision.namespace, decision.target[:16],
+                      decision.reason)
+            await self._publish([decision])
+            await self.quarantine_store.save(decision)
 
     async def on_heartbeat(self, beat: Heartbeat) -> None:
         if beat.instance_id not in self.live:
