@@ -187,8 +187,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KITE_SEMANTIC_CACHE_TENANTS", str, "", GATEWAY,
             "Tenants whose requests may be answered from the semantic response cache (docs/architecture.md, "
             "\"Semantic response cache\"), a comma list, or `*` for every tenant; a request still opts in "
-            "with `kite: {\"semantic_cache\": true}` (gRPC: `semantic_cache`). Empty: off, and the embedding model is never loaded. "
-            "Entries are kept in the warm tier's Redis (KITE_REDIS_URL), shared by the gateways."),
+            "with `kite: {\"semantic_cache\": true}` (gRPC: `semantic_cache`). Empty: off, and the "
+            "embedding model is never loaded. Entries are kept in the warm tier's Redis (KITE_REDIS_URL), shared by the gateways."),
     Setting("KITE_SEMANTIC_CACHE_DELTA", float, "0.02", GATEWAY,
             "The error bound of the semantic cache: the share of cached answers that differ from what the "
             "model would have answered, which the learned threshold keeps below (0 < delta < 1).",

@@ -24,9 +24,9 @@ ever shared across tenants, entries nor statistics):
    neighbour is an observation `(s, same answer?)`. The tenant's threshold `t` (one calibration per
    tenant, shared by its namespaces) is the lowest similarity such that, among the observations at or
    above it, the upper confidence bound (Wilson, one-sided, at `confidence`) of the share of different
-   answers is at most `delta` and at least `min_observations` were seen. Each entry then raises its own threshold above the highest similarity at which a request
-   near it turned out to have a different answer (`CacheEntry.wrong_above`): an entry that once misled
-   never misleads at that similarity again. The request is a hit when `s >= max(t, entry's)`.
+   answers is at most `delta` and at least `min_observations` were seen. Each entry then raises its own
+   threshold above the highest similarity at which a request near it turned out to have a different
+   answer (`CacheEntry.wrong_above`): an entry that once misled never misleads at that similarity again. The request is a hit when `s >= max(t, entry's)`.
    Why per tenant: the bound holds over the traffic that taught it. Pooled across tenants, one tenant's
    labels would set another's error rate: prompts whose answers agree at low similarity (one-token
    answers, say) would lower the threshold for a tenant whose answers do not, whether by accident or on

@@ -19,7 +19,7 @@ stop and free its slot.
 Semantic response cache (`semantic.SemanticResponses`, opt-in): a request with `semantic_cache` set is
 looked up after its rate permit and before any generation opens, exactly as over HTTP and in the same
 entries; a hit streams the entry's answer as one Chunk (text, no token ids) and an End with the usage of the
-computation that produced it, charging no token; a computed answer is handed to `learn()` once it ended.
+computation that produced it, charging no token; a computed answer is handed to the cache once it ended.
 End.semantic_cache carries the outcome.
 """
 
@@ -37,10 +37,10 @@ from kite_shared.messages import StreamEnd
 from kite_shared.service import tenant_var
 from kite_gateway.auth import Authenticator
 from kite_gateway.errors import ApiError
-from kite_gateway.generation import GenerationClient, GenerationParams, close_all, prompt_size, rate_permit
+from kite_gateway.generation import GenerationClient, close_all, prompt_size, rate_permit
 from kite_gateway.normalize import InvalidArgument, grpc_params
 from kite_gateway.rate_limit import Permit, TenantRateLimiter
-from kite_gateway.semantic import Consulted, SemanticResponses, answer_details, bypass, counted
+from kite_gateway.semantic import Consulted, SemanticResponses, consult_if_asked, learn_if_consulted
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,9 @@ class KiteService(kite_pb2_grpc.KiteServicer):
         deadline = asyncio.timeout(context.time_remaining())
         try:
             async with deadline:
-                consulted = await self._consult(request, params, tenant)
+                consulted = await consult_if_asked(self._semantic, request.semantic_cache, tenant,
+                                                   "chat" if params.messages else "completion", params,
+                                                   num_choices=1)
                 if consulted is not None and consulted.outcome == "hit":
                     for response in _cached_answer(consulted, permit):
                         await context.write(response)
@@ -191,8 +193,7 @@ class KiteService(kite_pb2_grpc.KiteServicer):
                         texts.append(event.text)
                         if isinstance(event, StreamEnd):
                             permit.settle(event.usage.prompt_tokens + event.usage.completion_tokens)
-                            if consulted is not None and self._semantic is not None:
-                                self._semantic.learn(consulted, "".join(texts), answer_details(event))
+                            learn_if_consulted(self._semantic, consulted, "".join(texts), event)
                         for response in _responses(event, consulted):
                             await context.write(response)
                 finally:
@@ -213,17 +214,6 @@ class KiteService(kite_pb2_grpc.KiteServicer):
         except Exception as exc:
             log.exception("Generate failed")
             raise _Failure(grpc.StatusCode.INTERNAL, "internal server error", "internal_error") from exc
-
-    async def _consult(self, request: kite_pb2.GenerateRequest, params: GenerationParams,
-                       tenant: str) -> Consulted | None:
-        """The semantic cache's outcome for a request that asked for it (None: it did not)."""
-        if not request.semantic_cache:
-            return None
-        if self._semantic is None:
-            return counted(bypass("the semantic cache is off in this deployment (KITE_SEMANTIC_CACHE_TENANTS)"))
-        return await self._semantic.consult(tenant, params.model, "chat" if params.messages else "completion",
-                                            params.messages or [], params.prompt or "", params.sampling,
-                                            num_choices=1)
 
     async def Health(self, request: kite_pb2.HealthRequest,
                      context: grpc.aio.ServicerContext) -> kite_pb2.HealthResponse:

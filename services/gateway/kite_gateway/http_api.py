@@ -45,7 +45,7 @@ from kite_gateway.normalize import chat_params, completion_params
 from kite_gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
                                           batch_usage_body, now, usage_body)
 from kite_gateway.rate_limit import Permit, TenantRateLimiter
-from kite_gateway.semantic import Consulted, SemanticResponses, answer_details, bypass, counted
+from kite_gateway.semantic import Consulted, SemanticResponses, consult_if_asked, learn_if_consulted
 
 log = logging.getLogger(__name__)
 
@@ -268,19 +268,12 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
             raise
 
     async def consult(tenant: str, body, params: list[GenerationParams], kind: str) -> Consulted | None:
-        """The semantic cache's outcome for a request that asked for it (None: it did not)."""
-        if not body.kite.semantic_cache:
-            return None
-        if semantic is None:
-            return counted(bypass("the semantic cache is off in this deployment (KITE_SEMANTIC_CACHE_TENANTS)"))
-        first = params[0]
-        return await semantic.consult(tenant, first.model, kind, first.messages or [], first.prompt or "",
-                                      first.sampling, num_choices=len(params))
+        return await consult_if_asked(semantic, body.kite.semantic_cache, tenant, kind, params[0],
+                                      num_choices=len(params))
 
     def learn(consulted: Consulted | None, results: list[tuple[str, StreamEnd]]) -> None:
-        if consulted is not None and semantic is not None and len(results) == 1:
-            text, end = results[0]
-            semantic.learn(consulted, text, answer_details(end))
+        if len(results) == 1:  # only one-choice requests are consulted
+            learn_if_consulted(semantic, consulted, *results[0])
 
     async def generate(request: Request, permit: Permit, params: list[GenerationParams], id_prefix: str,
                        stream_events) -> Response | tuple[str, dict[str, str], list]:

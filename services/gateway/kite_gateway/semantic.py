@@ -1,9 +1,10 @@
 """The gateway's semantic response cache (issue 17): whole answers reused by meaning, opt-in per tenant
 (KITE_SEMANTIC_CACHE_TENANTS) and per request (`kite: {"semantic_cache": true}`).
 
-Boundary: the HTTP and gRPC APIs ask `consult()` before they open any generation and hand the computed
-answer to `learn()` once it ended (a cancelled one is not an answer); this module knows the embedder, Redis and the decision core
-(kite_shared.semantic_cache, which holds the algorithm); nothing of HTTP.
+Boundary: the HTTP and gRPC APIs ask `consult_if_asked()` before they open any generation and hand the
+computed answer to `learn_if_consulted()` once it ended (a cancelled one is not an answer); this module
+knows the embedder, Redis and the decision core (kite_shared.semantic_cache, which holds the algorithm);
+nothing of HTTP or gRPC.
 
 Which requests: only those whose answer is a function of the prompt: temperature 0, one choice, one text
 prompt (a chat's last message from the user), a model whose fingerprint every live fingerprinter agrees on
@@ -66,6 +67,7 @@ from kite_shared.security import semantic_cache_key
 from kite_shared.semantic_cache import CacheEntry, CacheEvent, Lookup, Namespace, SemanticCache
 from kite_shared.tiers.warm import redis_client
 from kite_gateway.fleet import Fleet
+from kite_gateway.generation import GenerationParams
 from kite_gateway.openai_protocol import usage_body
 
 log = logging.getLogger(__name__)
@@ -136,12 +138,6 @@ def counted(consulted: Consulted) -> Consulted:
 def same_answer(a: str, b: str) -> bool:
     """For greedy decoding: the same text once whitespace and case are normalised."""
     return _WHITESPACE.sub(" ", a).strip().casefold() == _WHITESPACE.sub(" ", b).strip().casefold()
-
-
-def answer_details(end: StreamEnd) -> dict:
-    """What an entry keeps of its computation besides the text: how it ended and its usage (OpenAI's
-    shape), given back with every hit."""
-    return {"finish_reason": end.finish_reason, "usage": usage_body([end])}
 
 
 def request_key(kind: str, context: list[ChatMessage], sampling: SamplingParams) -> str:
@@ -398,3 +394,23 @@ class SemanticResponses:
             log.exception("the semantic cache could not learn from a computed answer")
 
 
+
+
+async def consult_if_asked(semantic: SemanticResponses | None, asked: bool, tenant: str, kind: str,
+                           params: GenerationParams, num_choices: int) -> Consulted | None:
+    """The semantic cache's outcome for a request (`kind` "chat" or "completion"), whichever API it came
+    by; None when it did not ask, a bypass when this deployment has no semantic cache."""
+    if not asked:
+        return None
+    if semantic is None:
+        return counted(bypass("the semantic cache is off in this deployment (KITE_SEMANTIC_CACHE_TENANTS)"))
+    return await semantic.consult(tenant, params.model, kind, params.messages or [], params.prompt or "",
+                                  params.sampling, num_choices)
+
+
+def learn_if_consulted(semantic: SemanticResponses | None, consulted: Consulted | None, text: str,
+                       end: StreamEnd) -> None:
+    """Hand a computed answer to the cache, with what an entry keeps besides the text (how it ended and
+    its usage, in OpenAI's shape, given back with every hit)."""
+    if consulted is not None and semantic is not None:
+        semantic.learn(consulted, text, {"finish_reason": end.finish_reason, "usage": usage_body([end])})
