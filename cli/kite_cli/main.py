@@ -9,7 +9,15 @@ import sys
 import threading
 from pathlib import Path
 
-from kite_cli.stack import LocalStack, StackOptions, default_state_file
+from kite_cli.stack import LocalStack, ServiceProcess, StackOptions, StartInterrupted, default_state_file
+
+# Nothing is served yet while starting, so a stop then does not wait for drains: what is still busy (a worker
+# compiling its model) after this is killed, and `kite run` is gone within 10 s of Ctrl-C.
+STOP_WHILE_STARTING_S = 5.0
+
+RUN_EPILOG = """exit status: 0 after Ctrl-C (SIGINT) or SIGTERM once serving; 128 + the signal's number (130,
+143) when stopped that way while starting; 1 when the start fails or, once serving, a service other than a
+worker exits or no worker is left. A worker that exits is reported with the tail of its log."""
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -19,12 +27,23 @@ def _run(args: argparse.Namespace) -> int:
                                     redis_data_dir=Path.home() / ".cache" / "kite" / "redis",
                                     state_file=default_state_file()))
     stop = threading.Event()
+    signals: list[int] = []  # the signals that asked to stop, first first
+
+    def on_signal(signum: int, _frame: object) -> None:
+        signals.append(signum)
+        stop.set()  # the start's wait loop and the watch loop below look at it
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     print(f"starting KITE: nats-server and 5 services (logs in {stack.log_dir}); the worker compiles "
-          "the model in vLLM (2-3 minutes on 2 cores) ...", flush=True)
+          "the model in vLLM (2-3 minutes on 2 cores; Ctrl-C stops it) ...", flush=True)
     try:
-        stack.start(timeout_s=900)
+        stack.start(timeout_s=900, stop=stop)
+    except StartInterrupted:
+        print(f"{signal.Signals(signals[0]).name} while starting: stopping KITE ...", flush=True)
+        stack.stop(timeout_s=STOP_WHILE_STARTING_S)
+        print("stopped.", flush=True)
+        return 128 + signals[0]
     except BaseException as exc:
         stack.stop()
         print(f"KITE failed to start: {exc}", file=sys.stderr)
@@ -38,17 +57,31 @@ NATS at {stack.nats.url}: kite pool --nats-url {stack.nats.url} stats
          "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
 
 Press Ctrl-C to stop.""", flush=True)
+    status = 0
+    told: set[int] = set()  # pids of the processes whose exit was reported
     try:
-        while not stop.wait(1.0):
-            for proc in stack.processes:
-                if proc.process.poll() is not None and proc.name != "worker":
-                    print(f"{proc.name} exited (code {proc.process.returncode}); see {proc.log_path}",
-                          file=sys.stderr)
-                    stop.set()
+        while status == 0 and not stop.wait(1.0):
+            status = _report_exits(stack, told)
     finally:
         print("stopping KITE ...", flush=True)
         stack.stop()
         print("stopped.", flush=True)
+    return status
+
+
+def _report_exits(stack: LocalStack, told: set[int]) -> int:
+    """Once serving: report each process that exited (once, `told` holds them); 1 when `kite run` must stop
+    (a service other than a worker exited, or no worker is left), else 0."""
+    exited: list[ServiceProcess] = [p for p in stack.processes
+                                    if p.process.poll() is not None and p.process.pid not in told]
+    for proc in exited:
+        told.add(proc.process.pid)
+        print(stack.exit_report(proc), file=sys.stderr, flush=True)
+    if any(p.name != "worker" for p in exited):
+        return 1
+    if exited and not stack.workers():
+        print("no worker is left", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -87,12 +120,12 @@ def main(argv: list[str] | None = None) -> int:
         return simulate.main(argv[1:])
     parser = argparse.ArgumentParser(prog="kite", description="KITE command line")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="start nats-server and all five services locally")
+    run = sub.add_parser("run", help="start nats-server and all five services locally", epilog=RUN_EPILOG)
     # Defaults: the gateway's settings, KITE_GATEWAY_HOST / _HTTP_PORT / _GRPC_PORT (127.0.0.1, 8000, 50051).
     run.add_argument("--host", default=None)
     run.add_argument("--http-port", type=int, default=None)
     run.add_argument("--grpc-port", type=int, default=None)
-    run.add_argument("--workers", type=int, default=1)
+    run.add_argument("--workers", type=_positive, default=1, metavar="N", help="workers (default 1)")
     # Replicas (docs/ru-pool.md and docs/arbitrator.md, "Replicas"): several are named ru-pool-<n> /
     # arbitrator-<n>, each with its own metrics port; one of each leads through a JetStream lease.
     run.add_argument("--pool-replicas", type=_positive, default=1, metavar="N",

@@ -4,6 +4,11 @@ services, each a separate process. Used by `kite run` (make run), the integratio
 `kite run` records the stack it runs in a state file (`default_state_file()`, ~/.cache/kite/kite-run.json:
 its pid, NATS URL, HTTP URL, gRPC address, log folder), removed when it stops; the admin commands (`kite
 pool`, `python -m kite_cli.arbitrator_admin`) find the running stack's NATS there (`admin_nats_url`).
+
+A start (`start`, `restart_services`, `wait_healthy`) reports a worker that exits while it waits (`report`:
+its name, exit code and log tail) and goes on with the others; it fails when no worker is left. After the
+start a worker may die or be killed (tests do): the stack says nothing, `kite run` watches for itself.
+`stop` is bounded: what has not exited when its time is up is killed.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -63,12 +69,18 @@ class ServiceProcess:
     process: subprocess.Popen
     log_path: Path
     metrics_port: int = 0  # its Prometheus endpoint on 127.0.0.1, when StackOptions.metrics is on
+    # Set when this stack stops it (stop_process, kill, stop): its exit is then no event to report.
+    stop_requested: bool = False
 
     @property
     def instance_id(self) -> str:
         """Its KITE_INSTANCE_ID (worker-1, ru-pool-2, arbitrator-1, ...), or the service name for a
         single unnamed one (which then names itself <host>-<pid> on the bus)."""
         return self.log_path.stem
+
+
+class StartInterrupted(Exception):
+    """The start's `stop` event was set (kite run: SIGINT or SIGTERM) before the stack was up."""
 
 
 def _gateway_setting(name: str) -> int | str:
@@ -123,7 +135,12 @@ class LocalStack:
         env.update(self.options.env)
         return env
 
-    def start(self, timeout_s: float = 180.0) -> None:
+    def start(self, timeout_s: float = 180.0, stop: threading.Event | None = None) -> None:
+        """nats-server, redis-server and every service, until the gateway answers /health (without a gateway:
+        until no process exited for a second). Raises RuntimeError when a service other than a worker exits
+        or no worker is left (each worker that exits is reported as it does), TimeoutError after
+        `timeout_s`, StartInterrupted within about 2 s of `stop` being set. What it started keeps running
+        when it raises: the caller stops it (`stop`, or the context manager)."""
         self.nats = start_nats(log_file=self.log_dir / "nats-server.log")
         if self.options.state_file is not None:  # known now: admin commands can find it while it starts
             write_state(self.options.state_file, self.state())
@@ -132,10 +149,11 @@ class LocalStack:
             self.redis = start_redis(log_file=self.log_dir / "redis-server.log",
                                      data_dir=self.options.redis_data_dir)
         self._start_services(self.options.pool_replicas, self.options.num_workers, self.options.arbitrators)
+        started_workers = [p for p in self.processes if p.name == "worker"]
         if "gateway" in self.options.services:
-            self.wait_healthy(timeout_s)
+            self._wait_healthy(timeout_s, stop, started_workers)
         else:  # nothing answers /health: only check that every process started
-            self.wait_started()
+            self._wait_started(1.0, stop, started_workers)
 
     def _start_services(self, pool_replicas: int, num_workers: int, arbitrators: int) -> None:
         for name in self.options.services:
@@ -231,27 +249,61 @@ class LocalStack:
         except OSError:
             return 0
 
-    def wait_healthy(self, timeout_s: float) -> None:
+    def wait_healthy(self, timeout_s: float, stop: threading.Event | None = None) -> None:
+        """Until the gateway's /health answers 200, as `start` waits. The workers running now are the ones it
+        watches: one that exits by itself is reported, and none left fails the wait; a worker that died
+        before it, or that this stack stops meanwhile, is no event."""
+        self._wait_healthy(timeout_s, stop, self.workers())
+
+    def wait_started(self, settle_s: float = 1.0, stop: threading.Event | None = None) -> None:
+        """For a stack without a gateway: fail if a service process exits within `settle_s` (a worker: as
+        `wait_healthy` says)."""
+        self._wait_started(settle_s, stop, self.workers())
+
+    def _wait_healthy(self, timeout_s: float, stop: threading.Event | None,
+                      watched: list[ServiceProcess]) -> None:
         deadline = time.monotonic() + timeout_s
+        reported: set[int] = set()
         while time.monotonic() < deadline:
-            self._raise_if_a_service_exited()
+            self._check_starting(stop, watched, reported)
             if self.health_status() == 200:
                 return
             time.sleep(0.25)
         raise TimeoutError(f"the stack was not healthy within {timeout_s} s; logs in {self.log_dir}")
 
-    def wait_started(self, settle_s: float = 1.0) -> None:
-        """For a stack without a gateway: fail if a service process exits within `settle_s`."""
+    def _wait_started(self, settle_s: float, stop: threading.Event | None, watched: list[ServiceProcess]) -> None:
         deadline = time.monotonic() + settle_s
+        reported: set[int] = set()
         while time.monotonic() < deadline:
-            self._raise_if_a_service_exited()
+            self._check_starting(stop, watched, reported)
             time.sleep(0.1)
 
-    def _raise_if_a_service_exited(self) -> None:
+    def _check_starting(self, stop: threading.Event | None, watched: list[ServiceProcess],
+                        reported: set[int]) -> None:
+        """One look while waiting for a start: raise if it must end, report a watched worker that exited by
+        itself (once: `reported` holds their pids)."""
+        if stop is not None and stop.is_set():
+            raise StartInterrupted("stopped while starting")
         dead = [p for p in self.processes if p.process.poll() is not None and p.name != "worker"]
         if dead:
-            raise RuntimeError(f"{dead[0].name} exited with code {dead[0].process.returncode}; "
-                               f"see {dead[0].log_path}:\n{self.tail(dead[0])}")
+            raise RuntimeError(self.exit_report(dead[0]))
+        for proc in watched:
+            if proc.process.poll() is not None and not proc.stop_requested and proc.process.pid not in reported:
+                reported.add(proc.process.pid)
+                self.report(self.exit_report(proc))
+        if reported and not self.workers():
+            names = ", ".join(p.instance_id for p in watched if p.process.pid in reported)
+            raise RuntimeError(f"no worker is left ({names} exited while starting, reported above); "
+                               f"logs in {self.log_dir}")
+
+    def exit_report(self, proc: ServiceProcess) -> str:
+        """What to tell about a process that exited: its name, exit code and the tail of its log."""
+        return (f"{proc.instance_id} exited with code {proc.process.returncode}; see {proc.log_path}:\n"
+                f"{self.tail(proc).rstrip()}")
+
+    def report(self, message: str) -> None:
+        """How a start tells about a worker that exited while it goes on (stderr; a subclass may log)."""
+        print(message, file=sys.stderr, flush=True)
 
     @staticmethod
     def tail(proc: ServiceProcess, num_bytes: int = 3000) -> str:
@@ -259,6 +311,7 @@ class LocalStack:
         return data[-num_bytes:].decode(errors="replace")
 
     def stop_process(self, proc: ServiceProcess, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> None:
+        proc.stop_requested = True
         if proc.process.poll() is None:
             proc.process.send_signal(sig)
             try:
@@ -287,16 +340,37 @@ class LocalStack:
         time.sleep(down_s)
         self.nats = start_nats(port=port, log_file=self.log_dir / "nats-server.log")
 
-    def stop(self) -> None:
-        # Gateway first (stops taking requests), workers last among services (finish streams).
-        order = {"gateway": 0, "fingerprinter": 1, "arbitrator": 2, "ru-pool": 3, "worker": 4}
-        for proc in sorted(self.processes, key=lambda p: order[p.name]):
-            self.stop_process(proc)
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop every service, then redis-server and nats-server, and remove the state file; the services
+        take at most `timeout_s` together, whatever they are doing (a worker compiling its model may not
+        act on SIGTERM for long): what still runs then is killed with its process group.
+
+        The gateway gets SIGTERM first: it stops taking requests and finishes its streams while the workers
+        still serve them; then every other service at once (with the gateway gone nothing waits on them)."""
+        deadline = time.monotonic() + timeout_s
+        self._terminate_together([p for p in self.processes if p.name == "gateway"], deadline)
+        self._terminate_together([p for p in self.processes if p.name != "gateway"], deadline)
         for server in (self.redis, self.nats):
             if server is not None:
                 server.stop()
         if self.options.state_file is not None:
             remove_state(self.options.state_file)
+
+    @staticmethod
+    def _terminate_together(procs: list[ServiceProcess], deadline: float) -> None:
+        """SIGTERM to each of `procs`, then wait for all until `deadline`; SIGKILL to the process group (its
+        own session: vLLM's engine processes included) of each one still running then."""
+        running = [p for p in procs if p.process.poll() is None]
+        for proc in running:
+            proc.stop_requested = True
+            proc.process.terminate()
+        for proc in running:
+            try:
+                proc.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                # Not reaped yet, so its pid (its group's id) cannot have been reused.
+                os.killpg(proc.process.pid, signal.SIGKILL)
+                proc.process.wait()
 
     def state(self) -> StackState:
         return StackState(pid=os.getpid(), nats_url=self.nats.url if self.nats else "",

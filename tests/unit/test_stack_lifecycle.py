@@ -1,0 +1,142 @@
+"""LocalStack's start watch and bounded stop, and `kite run`'s watch once serving, on real (tiny) processes
+in place of the services: a worker that exits by itself while a start waits is reported once and the wait
+goes on while another worker runs; none left fails it; a worker the stack stops is no event; the stop event
+interrupts it. `stop` kills, with its process group, a service that ignores SIGTERM once its time is up."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from kite_cli import main as kite_main
+from kite_cli.stack import LocalStack, ServiceProcess, StackOptions, StartInterrupted
+
+SLEEP = "import time; time.sleep(60)"
+
+
+class Stack(LocalStack):
+    """A stack with no servers, whose processes the test starts; what it reports is kept."""
+
+    def __init__(self, tmp_path) -> None:
+        super().__init__(StackOptions(log_dir=tmp_path, services=()))
+        self.reports: list[str] = []
+
+    def report(self, message: str) -> None:
+        self.reports.append(message)
+
+    def spawn(self, name: str, instance_id: str, code: str = SLEEP) -> ServiceProcess:
+        log_path = self.log_dir / f"{instance_id}.log"
+        with log_path.open("ab") as log:
+            process = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
+        proc = ServiceProcess(name, process, log_path)
+        self.processes.append(proc)
+        return proc
+
+
+def exits_after(delay_s: float, status: int, says: str) -> str:
+    return f"import time; time.sleep({delay_s}); print({says!r}); raise SystemExit({status})"
+
+
+@pytest.fixture()
+def stack(tmp_path):
+    stack = Stack(tmp_path)
+    yield stack
+    stack.stop(timeout_s=2)
+
+
+def test_a_worker_that_exits_while_waiting_is_reported_once_and_the_wait_goes_on(stack):
+    stack.spawn("worker", "worker-1", exits_after(0.3, 3, "cannot load the model"))
+    stack.spawn("worker", "worker-2")
+    stack.spawn("gateway", "gateway")
+    stack.wait_started(settle_s=1.5)
+    assert len(stack.reports) == 1
+    assert stack.reports[0].startswith("worker-1 exited with code 3; see ")
+    assert stack.reports[0].endswith("cannot load the model")
+    assert [p.instance_id for p in stack.workers()] == ["worker-2"]
+
+
+def test_no_worker_left_fails_the_wait(stack):
+    stack.spawn("worker", "worker-1", exits_after(0.2, 1, "bad setting"))
+    stack.spawn("worker", "worker-2", exits_after(0.4, 1, "bad setting"))
+    with pytest.raises(RuntimeError, match=r"no worker is left \(worker-1, worker-2 exited while starting"):
+        stack.wait_started(settle_s=5)
+    assert [r.split()[0] for r in stack.reports] == ["worker-1", "worker-2"]
+
+
+def test_workers_dead_before_the_wait_or_stopped_by_the_stack_are_no_event(stack):
+    dead = stack.spawn("worker", "worker-1", "raise SystemExit(1)")
+    dead.process.wait()
+    stopped = stack.spawn("worker", "worker-2")
+    stack.spawn("worker", "worker-3")
+    threading.Timer(0.2, stack.stop_process, (stopped,)).start()
+    stack.wait_started(settle_s=1.0)
+    assert stopped.process.poll() is not None and stack.reports == []
+
+
+def test_another_service_that_exits_fails_the_wait_with_its_log(stack):
+    stack.spawn("worker", "worker-1")
+    stack.spawn("ru-pool", "ru-pool", exits_after(0.2, 2, "port in use"))
+    with pytest.raises(RuntimeError, match=r"ru-pool exited with code 2; see .*\n.*port in use"):
+        stack.wait_started(settle_s=5)
+
+
+def test_the_stop_event_interrupts_the_wait(stack):
+    stack.spawn("worker", "worker-1")
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    started = time.monotonic()
+    with pytest.raises(StartInterrupted):
+        stack.wait_healthy(timeout_s=30, stop=stop)  # nothing answers /health
+    assert time.monotonic() - started < 3
+
+
+def test_stop_kills_what_ignores_sigterm_with_its_process_group_once_its_time_is_up(stack):
+    # A service busy where SIGTERM does not reach it (vLLM compiling), with a child of its own.
+    deaf = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            f"subprocess.Popen([sys.executable, '-c', {SLEEP!r}]); time.sleep(60)")
+    stubborn = stack.spawn("worker", "worker-1", deaf)
+    gateway = stack.spawn("gateway", "gateway")
+    ru_pool = stack.spawn("ru-pool", "ru-pool")
+    deadline = time.monotonic() + 10
+    while not psutil.Process(stubborn.process.pid).children():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = psutil.Process(stubborn.process.pid).children()[0]
+    time.sleep(0.3)  # its SIGTERM handler is set
+    started = time.monotonic()
+    stack.stop(timeout_s=1.0)
+    took = time.monotonic() - started
+    assert 0.9 < took < 2.0, took
+    assert stubborn.process.returncode == -9
+    assert gateway.process.returncode == ru_pool.process.returncode == -15  # they took SIGTERM
+    child.wait(2)
+
+
+def test_kite_run_once_serving_reports_exits_and_stops_when_no_worker_is_left(stack, capsys):
+    one = stack.spawn("worker", "worker-1", exits_after(0, 1, "out of memory"))
+    two = stack.spawn("worker", "worker-2")
+    stack.spawn("gateway", "gateway")
+    one.process.wait()
+    told: set[int] = set()
+    assert kite_main._report_exits(stack, told) == 0  # worker-2 serves on
+    assert "worker-1 exited with code 1" in capsys.readouterr().err
+    assert kite_main._report_exits(stack, told) == 0 and capsys.readouterr().err == ""  # told once
+    two.process.kill()
+    two.process.wait()
+    assert kite_main._report_exits(stack, told) == 1
+    err = capsys.readouterr().err
+    assert "worker-2 exited with code -9" in err and "no worker is left" in err
+
+
+def test_kite_run_once_serving_stops_when_another_service_exits(stack, capsys):
+    stack.spawn("worker", "worker-1")
+    gateway = stack.spawn("gateway", "gateway", exits_after(0, 1, "address in use"))
+    gateway.process.wait()
+    assert kite_main._report_exits(stack, set()) == 1
+    assert "gateway exited with code 1" in capsys.readouterr().err
