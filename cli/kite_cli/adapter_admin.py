@@ -1,7 +1,8 @@
 """`kite adapter ...`: LoRA adapters (docs/adapters.md): their declaration, and loading them at run time.
 
     kite adapter declare FOLDER   write FOLDER/kite-adapter.json for the configured base model (KITE_MODEL_*,
-                                  KITE_BLOCK_SIZE): the facts a worker checks before it serves the adapter
+                                  KITE_BLOCK_SIZE): the facts a worker checks before it serves the adapter;
+                                  refused (exit 1) when the adapter's own files do not fit that base
     kite adapter check FOLDER     check FOLDER against the configured base as a worker would at start; prints
                                   the adapter's digest, or the field that does not match (exit 1)
     kite adapter load NAME FOLDER [--nats-url URL] [--wait S]
@@ -104,10 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if succeeded(replies) else 1
     cfg = load(ModelConfig)
     local = model_store.prepare(cfg)
-    if args.command == "declare":
-        print(adapters.declare(args.folder, local, cfg.block_size))
-        return 0
     try:
+        if args.command == "declare":
+            print(adapters.declare(args.folder, local, cfg.block_size))
+            return 0
         adapter = adapters.load_adapter(args.name, args.folder, model_store.identity(local, cfg), local,
                                         cfg.block_size)
     except adapters.AdapterRefused as exc:

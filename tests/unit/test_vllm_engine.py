@@ -58,9 +58,9 @@ from tests.unit.test_adapters import make_folder  # noqa: E402
 
 EOS = 2
 LOCAL = LocalModel(name="m", path=Path("."), weights_digest="ab" * 32, quantization="", hf_config={
-    "num_attention_heads": 9, "hidden_size": 576, "num_hidden_layers": 30, "num_key_value_heads": 3,
-    "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "vocab_size": 49152, "max_position_embeddings": 64,
-    "eos_token_id": EOS})
+    "model_type": "llama", "num_attention_heads": 9, "hidden_size": 576, "num_hidden_layers": 30,
+    "num_key_value_heads": 3, "intermediate_size": 1536, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+    "vocab_size": 49152, "max_position_embeddings": 64, "eos_token_id": EOS})
 MODEL_CFG = load(ModelConfig, environ={}, engine="vllm", block_size=4)
 BASE = identity(LOCAL, MODEL_CFG)
 ROOT = BASE.root
@@ -237,12 +237,12 @@ async def test_cancel_all_ends_every_stream_as_cancelled():
 from kite_shared.adapters import AdapterRefused, load_adapter  # noqa: E402
 
 
-def adapter(tmp_path: Path, name: str, weights: bytes):
-    return load_adapter(name, make_folder(tmp_path / name, weights=weights, block_size=4), BASE, LOCAL, 4)
+def adapter(tmp_path: Path, name: str, seed: int):
+    return load_adapter(name, make_folder(tmp_path / name, seed=seed, block_size=4), BASE, LOCAL, 4)
 
 
 async def test_an_adapters_request_runs_under_its_lora_and_hashes_in_its_namespace(tmp_path):
-    alpha = adapter(tmp_path, "alpha", b"\x01" * 64)
+    alpha = adapter(tmp_path, "alpha", 1)
     llm = ScriptedLLM([([5], "x", "length")])
     scheduler, events = make_scheduler(llm, adapters={"alpha": alpha})
     await scheduler.engine.load_adapters()
@@ -264,7 +264,7 @@ async def test_an_adapters_request_runs_under_its_lora_and_hashes_in_its_namespa
 
 
 async def test_an_adapter_unloaded_while_its_request_runs_is_dropped_by_vllm_when_that_request_ends(tmp_path):
-    alpha = adapter(tmp_path, "alpha", b"\x01" * 64)
+    alpha = adapter(tmp_path, "alpha", 1)
     llm = Endless([])
     scheduler, events = make_scheduler(llm, max_loras=2)
     engine = scheduler.engine
@@ -276,7 +276,7 @@ async def test_an_adapter_unloaded_while_its_request_runs_is_dropped_by_vllm_whe
     assert first_id in llm.loras  # its request still runs with these weights
     with pytest.raises(RequestRejected):
         scheduler.reserve(request("b", adapter="alpha", root=alpha.identity.root))
-    reloaded = adapter(tmp_path / "v2", "alpha", b"\x02" * 64)
+    reloaded = adapter(tmp_path / "v2", "alpha", 2)
     await engine.add_adapter(reloaded)  # new weights under the old name: a new vLLM adapter
     second = engine.lora_request("alpha")
     assert second.lora_int_id != first_id and second.lora_name != llm.loras[first_id]
@@ -289,7 +289,7 @@ async def test_an_adapter_unloaded_while_its_request_runs_is_dropped_by_vllm_whe
 async def test_a_worker_started_without_lora_layers_refuses_adapters(tmp_path):
     scheduler, _ = make_scheduler(ScriptedLLM([]))
     with pytest.raises(AdapterRefused) as refused:
-        await scheduler.engine.add_adapter(adapter(tmp_path, "alpha", b"\x01" * 64))
+        await scheduler.engine.add_adapter(adapter(tmp_path, "alpha", 1))
     assert refused.value.field == "engine" and "KITE_VLLM_MAX_LORAS" in str(refused.value)
     assert scheduler.engine.adapters == {}
 
