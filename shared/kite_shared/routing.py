@@ -1,7 +1,7 @@
 """Cache-aware routing policy: which worker should compute this request. Pure (no I/O, no clock).
 
-The algorithm (starting points: Dynamo's KV router cost and SGLang's cache-aware router, see
-/work/shared/reference/peers.md; the defaults below are theirs):
+The algorithm (starting points: Dynamo's KV router cost and SGLang's cache-aware router, as they were on
+2026-11-29; the defaults below are theirs):
 
 1. Candidates: workers that are live (a heartbeat or telemetry within KITE_ROUTER_WORKER_TIMEOUT_S,
    5 s), not draining, not standby, healthy. No candidate -> no decision (the caller falls back to the

@@ -36,7 +36,11 @@ WORKER_SIGNALS = {
     "utilization": "(running + queued) / max running",
     "running_tokens": "KV positions held by running requests",
     "prefill_backlog_tokens": "admitted prompt tokens not computed yet",
-    "cache_fill": "local hot cache bytes / capacity (the cache watermark; an LRU sits near 1 once warm)",
+    # Each engine reports what it can see: vLLM does not say how much of its paged cache its prefix cache
+    # keeps, so a vLLM worker counts the KV of its generating requests (kite_worker/vllm_engine.py).
+    "cache_fill": "vLLM: KV of requests past their first token / KITE_VLLM_KV_CACHE_GIB (0 when idle, "
+                  "whatever the prefix cache keeps); reference engine: local block cache bytes / "
+                  "KITE_WORKER_CACHE_BYTES (an LRU: near 1 once warm)",
     "memory_used_fraction": "host memory in use (1 - MemAvailable / MemTotal): memory pressure",
     "local_hit_rate": "reused / prompt tokens over the telemetry window",
     "prefill_tokens_per_s": "measured prefill speed",
@@ -57,7 +61,7 @@ FLEET_SIGNALS = {
     "predicted_ttft_s": "lowest predicted TTFT over active workers (where the router can send a request)",
     "ttft_over_slo": "predicted_ttft_s / KITE_ARBITRATOR_TTFT_SLO_S",
     "ttft_p99_s": "highest TTFT p99 over active workers",
-    "max_cache_fill": "highest local cache fill over workers",
+    "max_cache_fill": "highest cache_fill over workers (what it measures depends on the engine)",
     "mean_local_hit_rate": "mean local hit rate over active workers",
     "request_rate": "API requests per second, summed over gateways",
     "error_rate": "highest fraction of 5xx answers over gateways",
