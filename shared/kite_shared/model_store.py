@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from kite_shared.config import ModelConfig
+from kite_shared.config import ConfigError, ModelConfig
 from kite_shared.fingerprint import (BlockHash, ExecutionPathFingerprint, KVLayout, ModelFingerprint,
                                      root_hash)
 
@@ -54,10 +54,23 @@ class LocalModel:
     weights_digest: str  # hex SHA-256 over the weight files
     quantization: str  # how the weights were produced ("" for a plain checkpoint)
     hf_config: dict[str, Any]  # config.json
+    max_model_len: int = 0  # KITE_MAX_MODEL_LEN (prepare checks it against the checkpoint); 0: the checkpoint's
+
+    @property
+    def checkpoint_context_tokens(self) -> int:
+        """The context window the checkpoint was trained for (its max_position_embeddings)."""
+        return int(self.hf_config.get("max_position_embeddings") or 2048)
 
     @property
     def max_context_tokens(self) -> int:
-        return int(self.hf_config.get("max_position_embeddings") or 2048)
+        """The longest sequence (prompt + answer) served: every length check reads this one number."""
+        return self.max_model_len or self.checkpoint_context_tokens
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        """Bytes of KV one token takes over all layers, keys and values, in `dtype` (a torch dtype name)."""
+        layout = self.kv_layout(block_size=1)
+        element_bytes = 4 if dtype == "float32" else 2
+        return 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * element_bytes
 
     def kv_layout(self, block_size: int) -> KVLayout:
         c = self.hf_config
@@ -197,8 +210,12 @@ def prepare(cfg: ModelConfig) -> LocalModel:
         digest = _read_or_write_digest(path)
         quantization = DEFAULT_QUANTIZATION
     hf_config = json.loads((path / "config.json").read_text())
-    return LocalModel(name=cfg.name, path=path, weights_digest=digest, quantization=quantization,
-                      hf_config=hf_config)
+    local = LocalModel(name=cfg.name, path=path, weights_digest=digest, quantization=quantization,
+                       hf_config=hf_config, max_model_len=cfg.max_model_len)
+    if cfg.max_model_len > local.checkpoint_context_tokens:  # positions the model was never trained on
+        raise ConfigError(f"KITE_MAX_MODEL_LEN={cfg.max_model_len}: longer than the model's context window, "
+                          f"{local.checkpoint_context_tokens} tokens (max_position_embeddings in {path}/config.json)")
+    return local
 
 
 def default_gguf_path() -> Path:

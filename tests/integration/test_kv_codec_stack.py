@@ -1,7 +1,7 @@
 """A lossy KV codec (KITE_KV_CODEC) with real processes, the real model and a real redis-server:
 
 - at the default floor (99% greedy agreement) a worker measures int8 and refuses to start, saying the
-  measured share;
+  measured share; float16 storage of the float32 model is measured the same way;
 - with the floor lowered, a stack stores int8 units under a fingerprint of their own (the codec is in
   the execution path: never the lossless namespace), and a worker that never computed a prompt loads its
   prefix from the pool through the codec;
@@ -35,9 +35,24 @@ def test_a_codec_below_the_agreement_floor_is_refused_at_start():
                             timeout=300)
     assert worker.returncode != 0
     measured = re.search(r"KV codec int8 \(hot, warm and cold tiers\): (\d+\.\d)% of greedy tokens equal to "
-                         r"lossless fp16", worker.stderr)
+                         r"the KV as computed in float32", worker.stderr)
     assert measured, worker.stderr[-2000:]
     assert float(measured.group(1)) < 99.0 and "below KITE_KV_CODEC_MIN_AGREEMENT=0.99" in worker.stderr
+
+
+def test_float16_storage_of_a_float32_model_is_a_lossy_choice_the_guard_measures():
+    """Exact by default (issue 36): float16 storage is opt-in and measured like a codec. A floor above 100%
+    shows the guard runs and refuses with the figure; the default floor's verdict is the figure's."""
+    env = {**os.environ, "KITE_ENGINE": "transformers", "KITE_KV_STORAGE_DTYPE": "float16",
+           "KITE_KV_CODEC_MIN_AGREEMENT": "1.01", "KITE_NATS_URL": "nats://127.0.0.1:1"}
+    worker = subprocess.run([sys.executable, "-m", "kite_worker"], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert worker.returncode != 0
+    measured = re.search(r"KV storage in float16 \(KITE_KV_STORAGE_DTYPE, every tier\): (\d+\.\d)% of greedy "
+                         r"tokens equal to the KV as computed in float32", worker.stderr)
+    assert measured, worker.stderr[-2000:]
+    assert "below KITE_KV_CODEC_MIN_AGREEMENT=1.01" in worker.stderr
+    assert "unset KITE_KV_STORAGE_DTYPE to store the compute dtype, exactly" in worker.stderr
 
 
 def test_lossy_units_live_in_their_own_namespace_and_load_through_the_codec(fresh_stack_factory):

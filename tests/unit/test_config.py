@@ -62,6 +62,16 @@ def test_model_config_rejects_unknown_dtype():
         load(ModelConfig, {"KITE_KV_STORAGE_DTYPE": "int3"})
 
 
+def test_kv_is_stored_in_the_compute_dtype_by_default_and_a_narrower_dtype_is_lossy():
+    exact = load(ModelConfig, {})
+    assert (exact.dtype, exact.kv_storage_dtype, exact.lossy_storage) == ("float32", "float32", False)
+    assert load(ModelConfig, {"KITE_MODEL_DTYPE": "bfloat16"}).kv_storage_dtype == "bfloat16"
+    assert load(ModelConfig, {"KITE_KV_STORAGE_DTYPE": "float16"}).lossy_storage
+    assert load(ModelConfig, {"KITE_MODEL_DTYPE": "bfloat16", "KITE_KV_STORAGE_DTYPE": "float16"}).lossy_storage
+    # wider than the compute dtype holds every value: exact, only larger
+    assert not load(ModelConfig, {"KITE_MODEL_DTYPE": "bfloat16", "KITE_KV_STORAGE_DTYPE": "float32"}).lossy_storage
+
+
 def test_a_kv_codec_is_lossless_by_default_and_only_a_known_lossy_one_otherwise():
     assert load(ModelConfig, {}).kv_codec == ""
     assert load(ModelConfig, {"KITE_KV_CODEC": "int8"}).kv_codec == "int8"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kite_shared import model_store
-from kite_shared.config import ModelConfig, load
+from kite_shared.config import ConfigError, ModelConfig, load
 from kite_shared.model_store import _cached_user_digest, weights_digest
 
 
@@ -61,6 +61,25 @@ def test_layout_reads_every_numerics_fact_from_the_config():
     assert _local(rms_norm_eps=1e-6).kv_layout(16).norm_eps == 1e-6
 
 
+def test_the_served_length_is_the_checkpoints_unless_set_shorter_and_kv_bytes_follow_the_dtype():
+    local = _local(max_position_embeddings=8192)
+    assert local.max_context_tokens == local.checkpoint_context_tokens == 8192
+    assert model_store.LocalModel(**{**local.__dict__, "max_model_len": 4096}).max_context_tokens == 4096
+    assert local.kv_bytes_per_token("float32") == 46_080 and local.kv_bytes_per_token("bfloat16") == 23_040
+
+
+def test_a_length_beyond_the_checkpoints_window_is_refused_at_prepare(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"max_position_embeddings": 2048}')
+    (model / "model.safetensors").write_bytes(b"weights")
+    cfg = load(ModelConfig, environ={}, engine="transformers", path=str(model), cache_dir=tmp_path / "cache")
+    assert model_store.prepare(cfg).max_context_tokens == 2048
+    with pytest.raises(ConfigError, match="KITE_MAX_MODEL_LEN=4096: longer than the model's context window, 2048"):
+        model_store.prepare(load(ModelConfig, environ={}, engine="transformers", path=str(model),
+                                 cache_dir=tmp_path / "cache", max_model_len=4096))
+
+
 def test_a_config_without_norm_epsilon_is_refused():
     config = dict(_local().hf_config)
     del config["rms_norm_eps"]
@@ -87,3 +106,14 @@ def test_a_worker_refuses_a_device_class_it_does_not_have():
     with pytest.raises(model_store.ModelNotFoundError, match="KITE_DEVICE_CLASS=cuda-sm90"):
         model_store.check_worker_device(load(ModelConfig, environ={}, engine="transformers",
                                              device_class="cuda-sm90"))
+
+
+def test_auto_without_a_gpu_beside_the_cuda_build_stops_naming_the_setting(monkeypatch):
+    # A GPU deployment's fingerprinter on a CPU node: it cannot know the workers' class, so it says which
+    # setting names it (deploy/k8s/components/gpu-worker sets it) instead of hashing under a guess.
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(model_store.ModelNotFoundError,
+                       match=r"KITE_DEVICE_CLASS=auto, but this host has the CUDA vLLM build and no CUDA device"):
+        model_store.detect_device_class(cuda=True)

@@ -75,10 +75,10 @@ def test_kite_run_flags_default_to_the_settings_and_it_records_its_state(clean_e
             seen["options"] = options
             self.log_dir = "/tmp/x"
 
-        def start(self, timeout_s):
+        def start(self, timeout_s, stop=None):
             raise RuntimeError("not here")
 
-        def stop(self):
+        def stop(self, timeout_s=30.0):
             pass
 
     monkeypatch.setattr(kite_main, "LocalStack", Stack)

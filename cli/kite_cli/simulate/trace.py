@@ -32,11 +32,11 @@ _SESSIONS, _SYSTEM, _DOCUMENT, _ARRIVALS = 1, 2, 3, 4
 def model_root(block_size: int) -> tuple[bytes, str]:
     """(root hash, model fingerprint hex) of a SmolLM2-135M-shaped model on vLLM-CPU: the hashes are
     real computation fingerprints, just of a model nobody loads."""
-    model = ModelFingerprint(weights_digest="kite-simulate", adapter_digest="", dtype="float16",
+    model = ModelFingerprint(weights_digest="kite-simulate", adapter_digest="", dtype="float32",
                              quantization="", layout=KVLayout(num_layers=30, num_kv_heads=3, head_dim=64,
                                                               rope_theta=100000.0, rope_scaling="",
                                                               norm_eps=1e-5, block_size=block_size))
-    root = root_hash(model, ExecutionPathFingerprint(attn_impl="sim", kv_storage_dtype="float16",
+    root = root_hash(model, ExecutionPathFingerprint(attn_impl="sim", kv_storage_dtype="float32",
                                                      engine="kite-simulate", device_class="sim"))
     return root, root.hex()
 

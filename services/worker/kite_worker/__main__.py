@@ -34,8 +34,8 @@ def load_engine(model_cfg: ModelConfig, worker_cfg: WorkerConfig, instance_id: s
     model_store.check_worker_device(model_cfg)
     local = model_store.prepare(model_cfg)
     identity = model_store.identity(local, model_cfg)
-    if model_cfg.tier_codecs.lossy:  # before the engine takes the memory: a refused codec never serves
-        codec_guard.check(local, model_cfg, worker_cfg.kv_codec_min_agreement)
+    # Before the engine takes the memory: lossy storage the guard refuses never serves (exact: no check).
+    codec_guard.check(local, model_cfg, worker_cfg.kv_codec_min_agreement)
     served_adapters = adapters.load_configured(model_cfg, local, identity)
     load_adapter = adapters.loader(model_cfg, local, identity)
     if model_cfg.engine == "vllm":
@@ -92,12 +92,12 @@ async def start_worker(rt: ServiceRuntime, loaded: LoadedModel, cfg: WorkerConfi
 
 def main() -> None:
     exit_on_signal_until_connected("worker")  # loading the model takes a while: SIGTERM ends it
-    model_cfg = load(ModelConfig)
-    worker_cfg = load(WorkerConfig)
-    instance_id = load(CommonConfig).instance_id or default_instance_id("worker")
     try:
+        model_cfg = load(ModelConfig)
+        worker_cfg = load(WorkerConfig)
+        instance_id = load(CommonConfig).instance_id or default_instance_id("worker")
         loaded = load_engine(model_cfg, worker_cfg, instance_id)
-    except ConfigError as exc:  # e.g. a KV codec its guard refused: the reason, not a traceback
+    except ConfigError as exc:  # a bad setting, lossy storage its guard refused, a KV budget too small: the reason, not a traceback
         sys.exit(f"worker: {exc}")
     if worker_cfg.metrics_port:
         start_http_server(worker_cfg.metrics_port, addr="0.0.0.0")

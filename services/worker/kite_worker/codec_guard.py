@@ -1,19 +1,21 @@
-"""The quality guard of a lossy KV codec (KITE_KV_CODEC, or a tier's: KITE_KV_CODEC_WARM, _COLD; issue
-17): a worker measures each lossy codec of its tiers at start and refuses to start when blocks reused from
-a tier in that codec would change too many answers.
+"""The quality guard of lossy KV storage (issue 17; issue 36 made storage exact by default): a worker measures
+each lossy choice at start and refuses to start when reused blocks stored so would change too many answers.
+The lossy choices: a KITE_KV_STORAGE_DTYPE narrower than the compute dtype (float16 under a float32 model)
+and each tier's lossy codec (KITE_KV_CODEC, or a tier's: KITE_KV_CODEC_WARM, _COLD). With neither, stored KV
+is the computed KV bit for bit and there is nothing to measure.
 
 The measurement, on the reference engine's model (transformers, whatever KITE_ENGINE serves with: vLLM's
-kernels are not needed to see what the codec does to the numbers): for each prompt of a fixed set, the
-model computes the KV of every token but the last; the full blocks of that KV are passed through the codec
-as a tier would store them (kite_shared.kv_codec) and, separately, stored losslessly in the storage dtype
-(what reuse loads without a codec); the model continues greedily from the last prompt token from each.
-Agreement is the share of generated tokens equal position by position; the first-token KL divergence
-(lossless || codec) is measured beside it. Below KITE_KV_CODEC_MIN_AGREEMENT (default 99%) the worker
-refuses to start and says the measured share. bench/bench_kv_codecs.py runs the same comparison (these
-functions) over its own prompt set and prints the table in docs/benchmarks.md.
+kernels are not needed to see what rounding does to the numbers): for each prompt of a fixed set, the model
+computes the KV of every token but the last; the full blocks of that KV are passed through what storage
+does to them (the storage dtype's rounding, then the tier's codec: kite_shared.kv_codec) and, separately,
+kept as computed; the model continues greedily from the last prompt token from each. Agreement is the share
+of generated tokens equal position by position; the first-token KL divergence (as computed || stored) is
+measured beside it. Below KITE_KV_CODEC_MIN_AGREEMENT (default 99%) the worker refuses to start and says the
+measured share. bench/bench_kv_codecs.py runs the same comparison (these functions) over its own prompt
+set and prints the table in docs/benchmarks.md.
 
-Cost: one model load and, per prompt, a prefill and three short greedy runs: about 30 s for the default
-model on two cores, paid only when a lossy codec is configured.
+Cost: one model load and, per prompt, a prefill and a short greedy run per choice plus one as computed:
+about 30 s for the default model on two cores, paid only when something lossy is configured.
 """
 
 from __future__ import annotations
@@ -62,25 +64,36 @@ class CodecQuality:
     kl_max: float
 
 
-def through_codec(cache: DynamicCache, codec: str | None, block_size: int) -> DynamicCache:
-    """A copy of `cache` whose full blocks went through `codec` (None: as computed)."""
+CodecPath = str | tuple[str, ...] | None  # codecs a block goes through, in order (a name: one; None: none)
+
+
+def through_codec(cache: DynamicCache, path: CodecPath, block_size: int) -> DynamicCache:
+    """A copy of `cache` whose full blocks went through each codec of `path` in turn, as a stored block
+    does (its storage dtype, then a tier's lossy codec); None: the KV as computed."""
+    codecs = () if path is None else (path,) if isinstance(path, str) else path
     copy = DynamicCache()
     for layer_idx, layer in enumerate(cache.layers):
         keys, values = layer.keys.clone(), layer.values.clone()  # [1, heads, tokens, head dim]
-        if codec is not None:
+        for codec in codecs:
             for start in range(0, keys.shape[2] // block_size * block_size, block_size):
                 end = start + block_size
                 part = torch.stack([keys[:, :, start:end], values[:, :, start:end]], dim=1)
                 decoded = codec_tensors.decode(codec_tensors.encode(part, codec), codec, tuple(part.shape), keys.dtype)
+                decoded = decoded.to(keys.device)  # decoded in host memory; the cache may be on a GPU
                 keys[:, :, start:end], values[:, :, start:end] = decoded[:, 0], decoded[:, 1]
         copy.update(keys, values, layer_idx)
     return copy
 
 
+def model_device(model) -> torch.device:
+    """Where `model` computes: its inputs go there (the guard runs on whatever device the model was put on)."""
+    return next(model.parameters()).device
+
+
 @torch.inference_mode()
 def continue_greedily(model, cache: DynamicCache, last_token: int, num_tokens: int) -> tuple[list[int], torch.Tensor]:
     """(greedy tokens, log-probabilities of the first one's distribution)."""
-    token = torch.tensor([[last_token]])
+    token = torch.tensor([[last_token]], device=model_device(model))
     generated, first = [], None
     for _ in range(num_tokens):
         logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits[0, -1].float()
@@ -92,16 +105,18 @@ def continue_greedily(model, cache: DynamicCache, last_token: int, num_tokens: i
 
 
 @torch.inference_mode()
-def compare(model, prompts: list[list[int]], reference: str | None, codecs: list[str], num_tokens: int,
+def compare(model, prompts: list[list[int]], reference: CodecPath, codecs: list[str] | dict[str, CodecPath], num_tokens: int,
             block_size: int) -> dict[str, CodecQuality]:
-    """Each codec's continuations against `reference`'s (a codec, or None: the KV as computed)."""
+    """Each codec's continuations against `reference`'s (a CodecPath; None: the KV as computed). `codecs`: names,
+    or {name: the CodecPath its blocks take}."""
+    codecs = codecs if isinstance(codecs, dict) else {codec: codec for codec in codecs}
     seen: dict[str, list[tuple[float, bool, float]]] = {codec: [] for codec in codecs}
     for ids in prompts:
-        cache = model(input_ids=torch.tensor([ids[:-1]]), use_cache=True).past_key_values
+        cache = model(input_ids=torch.tensor([ids[:-1]], device=model_device(model)), use_cache=True).past_key_values
         expected, expected_first = continue_greedily(model, through_codec(cache, reference, block_size), ids[-1],
                                                      num_tokens)
-        for codec in codecs:
-            tokens, first = continue_greedily(model, through_codec(cache, codec, block_size), ids[-1], num_tokens)
+        for codec, path in codecs.items():
+            tokens, first = continue_greedily(model, through_codec(cache, path, block_size), ids[-1], num_tokens)
             seen[codec].append((sum(a == b for a, b in zip(expected, tokens)) / len(expected), expected == tokens,
                                 float(torch.sum(expected_first.exp() * (expected_first - first)))))
     return {codec: CodecQuality(codec, statistics.mean(a for a, _, _ in rows), sum(same for _, same, _ in rows),
@@ -109,32 +124,54 @@ def compare(model, prompts: list[list[int]], reference: str | None, codecs: list
             for codec, rows in seen.items()}
 
 
-def check(local: LocalModel, cfg: ModelConfig, min_agreement: float) -> dict[str, CodecQuality]:
-    """Measure each lossy codec of the tiers (KITE_KV_CODEC, _WARM, _COLD) against lossless storage;
-    ConfigError (with the figure) when one is below the floor."""
-    started = time.monotonic()
-    tokenizer, model = load_tokenizer(local), load_causal_lm(local, cfg)
+def guard_prompts(tokenizer) -> list[list[int]]:
+    """The guard's prompts as token ids: each question after the handbook, in the model's chat template."""
     prompts = []
     for question in GUARD_QUESTIONS:
         ids = tokenizer.apply_chat_template([{"role": "system", "content": "HANDBOOK: " + _HANDBOOK},
                                              {"role": "user", "content": question}],
                                             add_generation_prompt=True, tokenize=True)
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    lossless = TORCH_DTYPE_TO_CODEC[cfg.kv_storage_dtype]
-    codecs = list(cfg.tier_codecs.lossy)
-    qualities = compare(model, prompts, lossless, codecs, GUARD_TOKENS, cfg.block_size)
+    return prompts
+
+
+def lossy_paths(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Each lossy choice of `cfg` -> the codecs a block reused under it went through: a narrower storage
+    dtype (its own rounding), and each lossy tier codec (after that rounding). Empty: reuse is exact."""
+    rounding = (TORCH_DTYPE_TO_CODEC[cfg.kv_storage_dtype],) if cfg.lossy_storage else ()
+    paths = {rounding[0]: rounding} if rounding else {}
+    paths.update({codec: rounding + (codec,) for codec in cfg.tier_codecs.lossy})
+    return paths
+
+
+def check(local: LocalModel, cfg: ModelConfig, min_agreement: float) -> dict[str, CodecQuality]:
+    """Measure each lossy choice (a KITE_KV_STORAGE_DTYPE narrower than the compute dtype, the tiers' lossy
+    codecs: KITE_KV_CODEC, _WARM, _COLD) against the KV as computed; ConfigError (with the figure) when one
+    is below the floor. Nothing to measure (an empty dict) when reuse is exact."""
+    paths = lossy_paths(cfg)
+    if not paths:
+        return {}
+    started = time.monotonic()
+    tokenizer, model = load_tokenizer(local), load_causal_lm(local, cfg)
+    qualities = compare(model, guard_prompts(tokenizer), None, paths, GUARD_TOKENS, cfg.block_size)
     del model
     elapsed = time.monotonic() - started
-    for codec in codecs:
-        quality = qualities[codec]
-        names = [t for t in TIERS if getattr(cfg.tier_codecs, t) == codec]
-        tiers = f"{names[0]} tier" if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]} tiers"
-        summary = (f"KV codec {codec} ({tiers}): {100 * quality.agreement:.1f}% of greedy tokens equal to "
-                   f"lossless {lossless} storage ({quality.num_identical} of {quality.num_prompts} continuations "
-                   f"identical, first-token KL mean {quality.kl_mean:.1e}), measured in {elapsed:.0f} s")
+    for name, quality in qualities.items():
+        if name in cfg.tier_codecs.lossy:
+            tiers = [t for t in TIERS if getattr(cfg.tier_codecs, t) == name]
+            what = f"KV codec {name} ({tiers[0] if len(tiers) == 1 else ', '.join(tiers[:-1]) + ' and ' + tiers[-1]}"
+            what += " tier" if len(tiers) == 1 else " tiers"
+            what += f", over {cfg.kv_storage_dtype} storage)" if cfg.lossy_storage else ")"
+            remedy = "or make that tier lossless"
+        else:
+            what = f"KV storage in {cfg.kv_storage_dtype} (KITE_KV_STORAGE_DTYPE, every tier)"
+            remedy = "or unset KITE_KV_STORAGE_DTYPE to store the compute dtype, exactly"
+        summary = (f"{what}: {100 * quality.agreement:.1f}% of greedy tokens equal to the KV as computed in "
+                   f"{cfg.dtype} ({quality.num_identical} of {quality.num_prompts} continuations identical, "
+                   f"first-token KL mean {quality.kl_mean:.1e}), measured in {elapsed:.0f} s")
         if quality.agreement < min_agreement:
             raise ConfigError(f"{summary}: below KITE_KV_CODEC_MIN_AGREEMENT={min_agreement:g}; refusing to store "
-                              f"KV with it (lower the floor to accept these answers, or make that tier lossless)")
-        log.warning("%s: at or above the floor %g; KV reused from the %s is lossy (answers may differ "
-                    "from recomputation)", summary, min_agreement, tiers)
+                              f"KV so (lower the floor to accept these answers, {remedy})")
+        log.warning("%s: at or above the floor %g; reused KV is lossy (answers may differ from "
+                    "recomputation)", summary, min_agreement)
     return qualities

