@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -77,8 +79,32 @@ def test_seeded_sampling_is_reproducible_and_n_choices(client):
     assert [c.index for c in r.choices] == [0, 1, 2]
 
 
-def test_models_lists_the_default_model(client):
+def served_length(stack) -> int | None:
+    """/v1/models' max_model_len of the default model, once a worker's heartbeat has told the gateway (a
+    worker's first beats, sent while it sets up, name no model yet)."""
+    deadline = time.monotonic() + 10
+    while True:
+        listed = {m["id"]: m for m in httpx.get(stack.http_url + "/v1/models").json()["data"]}
+        if "max_model_len" in listed[MODEL] or time.monotonic() > deadline:
+            return listed[MODEL].get("max_model_len")
+        time.sleep(0.2)
+
+
+def test_models_lists_the_default_model(kite_stack, client):
     assert MODEL in [m.id for m in client.models.list().data]
+    assert served_length(kite_stack) == 8192  # the checkpoint's window, as the workers serve it
+
+
+def test_a_shorter_served_length_is_the_one_every_check_uses(fresh_stack_factory):
+    """KITE_MAX_MODEL_LEN (issue 36): /v1/models reports it, the fingerprinter admits by it."""
+    stack = fresh_stack_factory(num_workers=1, env={"KITE_MAX_MODEL_LEN": "512"})
+    assert served_length(stack) == 512
+    url = stack.http_url + "/v1/chat/completions"
+    err = _error(httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "hello " * 600}]},
+                            timeout=60), 400)
+    assert err["code"] == "context_length_exceeded" and "maximum context length is 512 tokens" in err["message"]
+    ok = httpx.post(url, json={"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 5}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 5
 
 
 def test_health_and_metrics(kite_stack):

@@ -9,7 +9,9 @@ stack walks through the phases in order.
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,6 +43,24 @@ def vllm_stack():
                                 env=dict(VLLM_ENV)))
     yield stack
     stack.stop()
+
+
+def test_a_kv_budget_below_one_sequence_is_refused_before_vllm_loads():
+    """Issue 36: 0.2 GiB cannot hold one 8,192-token sequence of the float32 model; the worker says so with
+    both numbers and the settings to change, before vLLM starts (which would refuse later, naming its own
+    options). Never reaches NATS."""
+    env = {**os.environ, **VLLM_ENV, "KITE_VLLM_KV_CACHE_GIB": "0.2", "KITE_NATS_URL": "nats://127.0.0.1:1"}
+    env.pop("KITE_MAX_MODEL_LEN", None)
+    started = time.monotonic()
+    worker = subprocess.run([sys.executable, "-m", "kite_worker"], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert worker.returncode != 0
+    assert ("worker: KITE_VLLM_KV_CACHE_GIB=0.2 holds one sequence of at most 4,608 tokens of this model (46,080 "
+            "bytes of float32 KV a token, 32-token blocks), but the served length is 8,192 tokens (the checkpoint's "
+            "context window): raise KITE_VLLM_KV_CACHE_GIB to at least 0.36, or set KITE_MAX_MODEL_LEN to at most "
+            "4608") in worker.stderr, worker.stderr[-2000:]
+    assert "Traceback" not in worker.stderr and "EngineCore" not in worker.stderr  # vLLM never started
+    print(f"refused in {time.monotonic() - started:.1f} s")
 
 
 def chat(stack, question: str, reuse: bool = True) -> httpx.Response:

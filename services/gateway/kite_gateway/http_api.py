@@ -256,9 +256,11 @@ def create_app(client_factory: Callable[[], GenerationClient], model_name: str, 
     @app.get("/v1/models", responses={401: _error("Missing or invalid API key")} if auth.enabled else None)
     async def models(request: Request) -> JSONResponse:
         tenant_of(request)
-        names = {model_name, *client().fleet.models()}
+        served = client().fleet.models()  # id -> the context window its live workers serve
+        # max_model_len as vLLM's /v1/models says it (a model no live worker serves yet has no figure)
         return JSONResponse({"object": "list", "data": [
-            {"id": n, "object": "model", "created": 0, "owned_by": "kite"} for n in sorted(names)]})
+            {"id": n, "object": "model", "created": 0, "owned_by": "kite",
+             **({"max_model_len": served[n]} if n in served else {})} for n in sorted({model_name, *served})]})
 
     async def open_all(permit: Permit, params: list[GenerationParams]) -> list[Generation]:
         try:

@@ -64,6 +64,7 @@ def refused(error: ErrorInfo) -> Admission:
 async def start_worker(rt: ServiceRuntime, loaded: LoadedModel, cfg: WorkerConfig) -> WorkerService:
     """The worker's handler table: what it answers, what it runs until shutdown, how it drains."""
     worker = WorkerService(rt, loaded, cfg)
+    rt.set_heartbeat_fields(worker.heartbeat_fields)  # from the next beat on: the model and its window
     await worker.start()  # the engine runs; the ru-pool hears that this worker's cache is empty
     await rt.serve(
         Endpoint(subjects.WORKER_CANCEL, Cancel.decode, worker.cancel),
@@ -82,7 +83,6 @@ async def start_worker(rt: ServiceRuntime, loaded: LoadedModel, cfg: WorkerConfi
     rt.every(0, worker.publish_next_stream_event, "publishing stream events")
     rt.every(0, worker.outbox.put_next_block, "handing new blocks to the ru-pool")
     rt.every(0, worker.outbox.publish_next_cache_events, "publishing cache events to the ru-pool")
-    rt.set_heartbeat_fields(worker.heartbeat_fields)
     rt.on_drain(worker.drain)
     # Adapters loaded at run time before this worker started (KITE_ADAPTERS wins).
     await load_stored_adapters(rt.nc, loaded.adapters, worker.adapter_admin)
