@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from kite_worker.kv_agent import write_atomically
-from kite_worker.paged_layout import PagedLayer
+from kite_worker.paged_layout import KV_ROWS, PagedLayer
 from kite_worker.staging_arena import ARENA_FILE, StagingArena
 
 LAYERS, HEADS, BLOCK, HEAD_DIM = 30, 3, 32, 64
@@ -42,7 +42,7 @@ def main() -> None:
 
     # vLLM-CPU's paged layout per layer: [num_blocks, heads, block_size, 2 * head_dim]
     paged = [torch.zeros(args.blocks * 2, HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.float16) for _ in range(LAYERS)]
-    layers = [PagedLayer(t) for t in paged]
+    layers = [PagedLayer(t, KV_ROWS) for t in paged]
     unit_shape = (LAYERS, 2, HEADS, BLOCK, HEAD_DIM)
     # As the pool loader hands blocks over: tensors over the verified units' bytes.
     units = [torch.frombuffer(bytearray(os.urandom(LAYERS * 2 * HEADS * BLOCK * HEAD_DIM * 2)), dtype=torch.float16)

@@ -175,9 +175,11 @@ def detect_device_class(cuda: bool) -> str:
     if cuda:
         import torch  # only CUDA workers (and fingerprinters with "auto" beside them) pay for the import
 
-        if not torch.cuda.is_available():
-            raise ModelNotFoundError("the CUDA vLLM build is installed but no CUDA device is visible; "
-                                     "set KITE_DEVICE_CLASS to the workers' class (e.g. cuda-sm90)")
+        if not torch.cuda.is_available():  # e.g. a GPU deployment's fingerprinter, on a CPU node
+            raise ModelNotFoundError("KITE_DEVICE_CLASS=auto, but this host has the CUDA vLLM build and no CUDA "
+                                     "device to detect a class from: set KITE_DEVICE_CLASS to the GPU workers' "
+                                     "class, cuda-sm<major><minor> (cuda-sm90 for H100 and H200, as "
+                                     "deploy/k8s/components/gpu-worker sets it)")
         major, minor = torch.cuda.get_device_capability()
         return f"cuda-sm{major}{minor}"
     return "cpu-" + _cpu_isa()

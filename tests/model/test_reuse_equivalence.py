@@ -1,5 +1,6 @@
 """Reuse must never change an answer: on the real default model, greedy output with Upcycle reuse equals
-reuse off token for token. Must not be weakened (issue 3)."""
+reuse off token for token. Must not be weakened (issue 3). On a GPU (tests/devices.py; deploy/gpu/check.sh
+runs them there) the same holds in half precision, blocks stored in the compute dtype."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kite_worker.block_cache import BlockCache
 from kite_worker.codec_guard import guard_prompts
 from kite_worker.engine import Engine, EngineOptions, Sequence
 from kite_worker.shadow import first_token_divergence
+from tests.devices import DEVICES
 
 BLOCK = 16
 
@@ -27,9 +29,9 @@ def parts():
     return local, identity(local, cfg), load_tokenizer(local), load_causal_lm(local, cfg)
 
 
-def make_engine(parts, storage_dtype: torch.dtype) -> Engine:
-    local, ident, tok, model = parts
-    return Engine(model, tok, ident, BlockCache(1 << 30),
+def make_engine(parts, storage_dtype: torch.dtype, model=None) -> Engine:
+    local, ident, tok, cpu_model = parts
+    return Engine(model or cpu_model, tok, ident, BlockCache(1 << 30),
                   EngineOptions(block_size=BLOCK, storage_dtype=storage_dtype, keep_first_logits=True,
                                 prefill_chunk_tokens=512), local.max_context_tokens)
 
@@ -103,6 +105,30 @@ def test_multi_turn_conversation_reuses_history(parts):
             assert on.num_cached_tokens >= len(ids) - 48
         messages.append({"role": "assistant", "content": tok.decode(on.generated, skip_special_tokens=True)})
     assert len(questions) >= 6
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if d.id != "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_on_a_gpu_in_half_precision_reuse_changes_no_greedy_answer(parts, device, dtype):
+    # The model computes in `dtype` on the GPU and its blocks are kept in `dtype` (host memory): the reused
+    # KV is the computed KV bit for bit, only the kernels' shapes differ between a hit and recomputation.
+    local, _, tok, _ = parts
+    model = load_causal_lm(local, load(ModelConfig, engine="transformers", block_size=BLOCK)).to(device, dtype)
+    engine = make_engine(parts, dtype, model)
+    assert engine.device.type == device and engine.compute_dtype == dtype
+    rng = random.Random(11)
+    for length in (33, 100, 257):
+        ids = [rng.randrange(100, len(tok)) for _ in range(length)]
+        run(engine, ids, reuse=True)
+        assert_equivalent(engine, ids, None, expect_cached=min((length // BLOCK) * BLOCK, length - 1))
+    system = {"role": "system", "content": "You are a concise assistant for a travel agency. " * 20}
+    for i, question in enumerate(("Where is Rome?", "Name a city in Japan.")):
+        ids = tok.apply_chat_template([system, {"role": "user", "content": question}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        on = assert_equivalent(engine, ids, None)
+        if i > 0:
+            assert on.num_cached_tokens >= 160
+
 
 # The README's claim, as tested: with the default storage (the compute dtype, so reused KV is the computed
 # KV bit for bit) reuse changes no greedy answer on this stated set, the codec guard's eight prompts (a

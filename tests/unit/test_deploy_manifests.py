@@ -68,7 +68,7 @@ TARGET_SERVICE = {**{s: s for s in SERVICES}, "worker-gpu": "worker", "fingerpri
 # Services that must never run two pods at once, and why (none since the ru-pool runs replicas: issue 14;
 # a test below holds the ru-pool's manifests and docs to its module docstring).
 RU_POOL_SERVICE = SERVICE_PACKAGES["ru-pool"] / "service.py"
-GPU_CHECK = ROOT / "deploy" / "gpu" / "check.sh"
+GPU_CHECK = ROOT / "deploy" / "gpu" / "check-vllm.sh"  # the vLLM worker on a GPU (check.sh needs no vLLM)
 
 # Custom resources without a Kubernetes schema; each is checked by hand below.
 KNOWN_CRDS = {("keda.sh/v1alpha1", "ScaledObject")}
@@ -868,9 +868,9 @@ def test_gpu_images_install_the_vllm_extra_with_every_pin_but_the_cpu_engine():
 
 
 def test_gpu_check_script_keeps_the_same_pins_as_the_gpu_images():
-    # deploy/gpu/check.sh builds the GPU environment outside Docker: it must leave out the same packages.
+    # deploy/gpu/check-vllm.sh builds the GPU environment outside Docker: it must leave out the same packages.
     match = re.search(r"grep -vE '\^\(([^)]*)\)", GPU_CHECK.read_text())
-    assert match, "check.sh no longer filters requirements.txt with grep -vE '^(...)'"
+    assert match, "check-vllm.sh no longer filters requirements.txt with grep -vE '^(...)'"
     assert set(match.group(1).split("|")) == set(dockerfile().global_args["CPU_ENGINE_PACKAGES"].split())
 
 
@@ -1344,6 +1344,19 @@ def test_gpu_overlay_runs_the_gpu_images_with_a_gpu():
         assert "/" in image.split(":")[0].removeprefix("kite/"), f"{service}: registry not applied"
     assert int(containers["worker"]["resources"]["limits"]["nvidia.com/gpu"]) >= 1
     assert "nvidia.com/gpu" not in containers["fingerprinter"]["resources"]["limits"]
+
+
+def test_gpu_overlay_names_the_gpu_workers_device_class_for_fingerprinters_on_cpu_nodes():
+    # The device class is in every block hash. A GPU deployment's fingerprinter runs on a CPU node with the
+    # CUDA vLLM build, where `auto` has no GPU to detect a class from (model_store.detect_device_class stops
+    # it at start); the workers check an explicit class against their GPU.
+    docs = rendered("prod-gpu")
+    envs = {s: container_env(docs, c) for s, _, c in kite_containers(docs)}
+    for service in ("fingerprinter", "worker"):
+        assert re.fullmatch(r"cuda-sm\d+", effective(envs[service], "KITE_DEVICE_CLASS")), service
+    prod = rendered("prod")
+    cpu_fingerprinter = next(c for s, _, c in kite_containers(prod) if s == "fingerprinter")
+    assert effective(container_env(prod, cpu_fingerprinter), "KITE_DEVICE_CLASS") == "auto"  # CPU: detected
 
 
 @pytest.mark.parametrize("variant", ["prod", "prod-gpu"])

@@ -1,8 +1,11 @@
-"""Blocks <-> DynamicCache: exact positions, dtype conversion, partial last block, round trip."""
+"""Blocks <-> DynamicCache: exact positions, dtype conversion, partial last block, round trip; a cache on
+every device (tests/devices.py) with its blocks in host memory."""
 
+import pytest
 import torch
 
 from kite_worker.kv_blocks import build_cache, extract_blocks
+from tests.devices import DEVICES
 
 L, H, B, D = 3, 2, 4, 5
 
@@ -56,3 +59,24 @@ def test_a_hit_cache_has_room_for_the_answer_without_copying_its_prefix():
         cache.update(torch.zeros(1, H, 1, D), torch.zeros(1, H, 1, D), 0)
     assert cache.layers[0].keys.data_ptr() == buffer_before  # appended in place: no reallocation
     assert cache.layers[0].length == 12 and cache.layers[0].capacity == 12
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compute_dtype, storage_dtype", [
+    (torch.float32, torch.float16), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16)])
+def test_a_cache_on_a_device_is_built_from_host_blocks_and_gives_its_blocks_back_in_host_memory(
+        device, compute_dtype, storage_dtype):
+    bs = [b.to(storage_dtype) for b in blocks(3)]  # as the block cache keeps them: host memory
+    cache = build_cache(bs, num_tokens=10, compute_dtype=compute_dtype, capacity=16, device=device)
+    layer = cache.layers[0]
+    assert layer.keys.device.type == device and layer.keys.dtype == compute_dtype
+    expected = torch.cat(bs, dim=3)[:, :, :, :10].to(compute_dtype)
+    assert torch.equal(layer.values[0].cpu(), expected[0, 1])
+    step = torch.full((1, H, 3, D), 0.5, dtype=compute_dtype, device=device)  # a prefill chunk after the hit
+    for i in range(L):
+        cache.update(step, -step, i)
+    again = extract_blocks(cache, 0, 3, B, storage_dtype)
+    assert all(b.device.type == "cpu" and b.dtype == storage_dtype and b.is_contiguous() for b in again)
+    assert all(torch.equal(a, b.to(compute_dtype).to(storage_dtype)) for a, b in zip(again[:2], bs))
+    assert torch.equal(again[2][:, 0, :, 2:], torch.full((L, H, 2, D), 0.5, dtype=storage_dtype))

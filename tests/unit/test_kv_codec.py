@@ -11,6 +11,7 @@ from kite_shared import kv_codec, recyclable_unit
 from kite_shared.kv_codec import CodecError
 from kite_shared.recyclable_unit import RecyclableUnit, RUAuthError
 from kite_worker import codec_tensors
+from tests.devices import DEVICES
 
 SHAPE = (30, 2, 3, 32, 64)  # the default model's vLLM block
 
@@ -90,6 +91,31 @@ def test_numpy_encoding_matches_every_input_dtype():
             assert codec_tensors.encode(source, codec) == kv_codec.encode(codec_tensors.to_array(source), codec)
         assert torch.equal(codec_tensors.decode(codec_tensors.encode(source, "bf16"), "bf16", SHAPE, dtype),
                            source.to(torch.bfloat16).to(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_block_on_a_device_encodes_as_its_host_copy_and_decodes_to_host_memory(device):
+    x = block().float().to(device)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        source = x.to(dtype)
+        strided = source.transpose(3, 4).contiguous().transpose(3, 4)  # the same values, not contiguous
+        assert not strided.is_contiguous()
+        host = source.cpu()
+        assert codec_tensors.host_bytes(strided).tobytes() == host.view(torch.uint8).numpy().tobytes()
+        for codec in kv_codec.CODECS:
+            payload = codec_tensors.encode(strided, codec)
+            assert payload == codec_tensors.encode(host, codec), codec
+            decoded = codec_tensors.decode(payload, codec, SHAPE, dtype)
+            assert decoded.device.type == "cpu" and decoded.dtype == dtype
+            if not kv_codec.is_lossy(codec):
+                assert torch.equal(decoded, host.to(codec_tensors.LOSSLESS[codec]).to(dtype)), codec
+
+
+def test_host_tensors_reach_numpy_without_a_copy():
+    x = block()  # contiguous, on the CPU: what the save and load paths hand over
+    assert codec_tensors.host_bytes(x).ctypes.data == x.data_ptr()
+    assert codec_tensors.to_array(x).ctypes.data == x.data_ptr()
+    assert codec_tensors.to_array(x.to(torch.bfloat16)).dtype.name == "bfloat16"
 
 
 def test_split_names_the_parts_of_a_payload_without_copying():

@@ -21,12 +21,24 @@ LOSSLESS = {codec: getattr(torch, dtype) for dtype, codec in TORCH_DTYPE_TO_CODE
 
 
 def to_array(block: torch.Tensor) -> np.ndarray:
-    """`block` as a numpy array of the same element type (bfloat16 through ml_dtypes), without a copy when
-    it is contiguous and on the CPU."""
-    block = block.detach().cpu().contiguous()
+    """`block` as a numpy array of the same element type (bfloat16 through ml_dtypes), in host memory:
+    without a copy when it is contiguous and on the CPU, else made dense where it is (on a GPU, the one
+    transfer is then dense) and copied to the host."""
+    block = host(block)
     if block.dtype == torch.bfloat16:
         return block.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return block.numpy()
+
+
+def host_bytes(block: torch.Tensor) -> np.ndarray:
+    """The bytes of `block` (its elements as they are, uint8) in host memory: a view when it is contiguous
+    and on the CPU, else one copy."""
+    return host(block).view(torch.uint8).numpy()
+
+
+def host(block: torch.Tensor) -> torch.Tensor:
+    """`block` dense and on the CPU: itself when it already is (no copy on the host path)."""
+    return block.detach().contiguous().cpu()
 
 
 def encode(block: torch.Tensor, codec: str) -> bytes:
@@ -35,7 +47,8 @@ def encode(block: torch.Tensor, codec: str) -> bytes:
 
 
 def decode(payload, codec: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The block a payload holds, as `dtype`. A lossless payload in its own dtype, in writable memory, is
+    """The block a payload holds, as `dtype`, in host memory (the payload's bytes are there; a caller on a
+    GPU moves the result, in `dtype`, once). A lossless payload in its own dtype, in writable memory, is
     not copied (a view over `payload`, which must then stay alive). Raises kv_codec.CodecError."""
     parts = kv_codec.split(payload, codec, shape)
     if codec in LOSSLESS:

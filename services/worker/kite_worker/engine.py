@@ -122,6 +122,7 @@ class Engine:
         self.options = options
         self.max_context_tokens = max_context_tokens
         self.compute_dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device  # where the model computes; blocks stay in host memory
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if tokenizer.eos_token_id is not None:
@@ -205,22 +206,24 @@ class Engine:
             return
         needed = -(-num_tokens // self.options.block_size)
         blocks = self.block_cache.get_prefix(seq.prompt_hashes[:needed])
-        seq.cache = build_cache(blocks, num_tokens, self.compute_dtype, capacity)
+        seq.cache = build_cache(blocks, num_tokens, self.compute_dtype, capacity, self.device)
         seq.num_computed = num_tokens
         seq.num_cached_tokens = num_tokens
         self.num_prompt_tokens_reused += num_tokens
 
     def _forward(self, seq: Sequence, token_ids: list[int]) -> torch.Tensor:
         start = seq.num_computed
-        input_ids = torch.tensor([token_ids], dtype=torch.long)
-        positions = torch.arange(start, start + len(token_ids), dtype=torch.long).unsqueeze(0)
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + len(token_ids), dtype=torch.long, device=self.device).unsqueeze(0)
         # logits_to_keep=1: only the last position is sampled, and the LM head over every prompt position
         # (49,152 x 576 per token for SmolLM2) would be about a fifth of a prefill's matrix work.
         with self._adapter_active(seq.request.adapter):
             out = self.model(input_ids=input_ids, past_key_values=seq.cache, position_ids=positions,
                              use_cache=True, logits_to_keep=1)
         seq.cache = out.past_key_values
-        return out.logits[0, -1]
+        # The last position's logits in host memory (free on the CPU): a request's sampling generator is a
+        # CPU one, so its seed draws the same numbers whatever device computed the logits.
+        return out.logits[0, -1].cpu()
 
     def _adapter_active(self, adapter: str):
         if not self._peft:

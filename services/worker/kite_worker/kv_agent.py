@@ -238,8 +238,8 @@ class KVAgent:
             if slot is None:  # every slot pinned by loads under way: the rest is computed
                 break
             # The slot is this fetch's alone until it is recorded below: one copy, without the lock the
-            # scheduler thread takes.
-            self.arena.write(slot, key, tensor.contiguous().view(torch.uint8).numpy())
+            # scheduler thread takes (the loader's tensors are host memory: host_bytes is a view of them).
+            self.arena.write(slot, key, codec_tensors.host_bytes(tensor))
             with self._staged_lock:
                 if ticket.abandoned:
                     self._staged[key] = _Staged(slot, pins=0)  # kept for a later request, not pinned

@@ -1,9 +1,12 @@
 """Convert between a transformers DynamicCache and per-block KV tensors.
 
 A block tensor holds `block_size` positions for every layer: shape
-[num_layers, 2 (key, value), num_kv_heads, block_size, head_dim], in the storage dtype (fp16 by default).
-This matches the recyclable-unit payload layout (kite_shared.recyclable_unit), so encoding a block is a
-byte copy.
+[num_layers, 2 (key, value), num_kv_heads, block_size, head_dim], in the storage dtype. This matches the
+recyclable-unit payload layout (kite_shared.recyclable_unit), so encoding a block is a byte copy.
+
+Devices: the cache lives where the model computes (CPU or GPU); blocks live in host memory (the worker's
+block cache, the pool's units), so extracting copies to the host and building copies to the model's device,
+each once per block, in the storage dtype (the narrower side of the conversion where it is lossy).
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ from transformers.cache_utils import DynamicLayer
 
 def extract_blocks(cache: DynamicCache, first_block: int, end_block: int, block_size: int,
                    storage_dtype: torch.dtype) -> list[torch.Tensor]:
-    """Blocks [first_block, end_block) of `cache` (which must hold at least end_block * block_size tokens)."""
+    """Blocks [first_block, end_block) of `cache` (which must hold at least end_block * block_size tokens),
+    in `storage_dtype`, in host memory (converted where the cache is, then copied to the host at once)."""
     if end_block <= first_block:
         return []
     start, stop = first_block * block_size, end_block * block_size
     keys = torch.stack([layer.keys[0, :, start:stop] for layer in cache.layers])
     values = torch.stack([layer.values[0, :, start:stop] for layer in cache.layers])
-    kv = torch.stack([keys, values], dim=1).to(storage_dtype)  # [L, 2, H, T, D]
+    kv = torch.stack([keys, values], dim=1).to(storage_dtype).cpu()  # [L, 2, H, T, D]; .cpu(): free on the host
     return [kv[:, :, :, i * block_size:(i + 1) * block_size].contiguous()
             for i in range(end_block - first_block)]
 
@@ -40,24 +44,26 @@ def new_cache(capacity: int) -> DynamicCache:
 
 
 def build_cache(blocks: Sequence[torch.Tensor], num_tokens: int, compute_dtype: torch.dtype,
-                capacity: int = 0) -> DynamicCache:
-    """A cache holding the first `num_tokens` positions of the concatenated `blocks`, with room for
-    `capacity` positions in all (at least num_tokens).
+                capacity: int = 0, device: torch.device | str = "cpu") -> DynamicCache:
+    """A cache on `device` (the model's) holding the first `num_tokens` positions of the concatenated
+    `blocks` (from anywhere: host memory, as the block cache keeps them), with room for `capacity`
+    positions in all (at least num_tokens).
 
     This is on the path of every hit's time to first token, so it copies each byte once: every block is
     converted straight into its slice of one preallocated [L, 2, H, capacity, D] tensor, whose per-layer
     slices become the layers' buffers. (`torch.cat`, `.to` and `DynamicCache(pairs)`, whose layers start
-    empty and concatenate, copied three times: 67 ms for 2,048 tokens of SmolLM2 on the 2-vCPU VM.)
+    empty and concatenate, copied three times: 67 ms for 2,048 tokens of SmolLM2 on the 2-vCPU VM.) On a
+    GPU a block crosses once, in its storage dtype, and is converted there.
     """
     num_layers, two, num_heads, block_size, head_dim = blocks[0].shape
     capacity = max(capacity, num_tokens)
-    kv = torch.empty(num_layers, two, num_heads, capacity, head_dim, dtype=compute_dtype)
+    kv = torch.empty(num_layers, two, num_heads, capacity, head_dim, dtype=compute_dtype, device=device)
     for i, block in enumerate(blocks):
         start = i * block_size
         if start >= num_tokens:
             break
         stop = min(start + block_size, num_tokens)
-        kv[:, :, :, start:stop].copy_(block[:, :, :, :stop - start])
+        kv[:, :, :, start:stop].copy_(block[:, :, :, :stop - start].to(kv.device))  # no copy on the host
     cache = new_cache(capacity)
     cache.layers = [GrowingLayer.holding(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0), num_tokens)
                     for i in range(num_layers)]

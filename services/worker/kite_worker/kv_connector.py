@@ -60,7 +60,7 @@ from kite_shared.service import setup_package_logging
 from kite_worker.kv_agent import (AgentOptions, ConnectorOptions, KVAgent, PendingFetch, kv_events_endpoint,
                                   save_path, write_atomically)
 from kite_worker.kv_plan import PARAMS_KEY, KVPlanner, LocalBlockMirror, RequestParams
-from kite_worker.paged_layout import PagedLayer
+from kite_worker.paged_layout import PagedCache, kv_split_of
 from kite_worker.staging_arena import ARENA_FILE, StagingArena
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ class KiteConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = _SchedulerSide(self, vllm_config, kv_cache_config)
         else:
-            self._worker = _WorkerSide(self)
+            self._worker = _WorkerSide(self, vllm_config)
 
     # --- scheduler side -------------------------------------------------------------------------------
 
@@ -300,6 +300,18 @@ def apply_kv_events(mirror: LocalBlockMirror, events) -> None:
             mirror.cleared()
 
 
+def attention_backend(vllm_config: "VllmConfig", layer_names: list[str]) -> str:
+    """The name of the one attention backend vLLM runs these layers with (its layout decides how a block's
+    keys and values lie: paged_layout.kv_split_of); ValueError when the layers use several."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    names = sorted({backend.get_name() for backend in get_current_attn_backends(vllm_config, layer_names)})
+    if len(names) != 1:
+        raise ValueError(f"the KITE KV connector copies whole blocks of one attention layout; these layers "
+                         f"run {', '.join(names) or 'no attention backend'}")
+    return names[0]
+
+
 class _KVEventListener:
     """Subscribes to vLLM's KV event publisher (ZMQ PUB, inproc in this process) on a thread of its own
     and hands each decoded batch to `handle`. A lost batch only leaves the index stale for a while: the
@@ -336,9 +348,10 @@ class _KVEventListener:
 
 
 class _WorkerSide:
-    def __init__(self, connector: KiteConnector) -> None:
+    def __init__(self, connector: KiteConnector, vllm_config: "VllmConfig") -> None:
         self.options = connector.options
-        self.layers: list[PagedLayer] = []
+        self._vllm_config = vllm_config
+        self.paged: PagedCache | None = None
         self._load_errors: set[int] = set()
         self._staging: StagingArena | None = None
         self._staging_failed = False  # the agent creates it before any load: a failure to open it is for good
@@ -347,7 +360,10 @@ class _WorkerSide:
         self._writer.start()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.layers = [PagedLayer(t) for t in kv_caches.values()]  # model order
+        backend = attention_backend(self._vllm_config, list(kv_caches))
+        self.paged = PagedCache.of(kv_caches.values(), kv_split_of(backend))  # model order
+        log.info("paged KV: %d layers of %s blocks on %s (%s)", len(self.paged.layers),
+                 "x".join(map(str, self.paged.unit_shape[1:])), self.paged.device, backend)
 
     def load(self, loads: list[tuple[int, int, bytes]]) -> None:
         arena = self._arena()
@@ -355,21 +371,18 @@ class _WorkerSide:
             if arena is None or not arena.holds(slot, block_hash):  # cleared at a quarantine: compute it
                 self._load_errors.add(block_id)
                 continue
+            # The slot's host memory as a tensor (no copy); write moves it to the paged tensors' device.
             block = torch.frombuffer(arena.payload(slot), dtype=self.options.storage_dtype)
-            block = block.view(len(self.layers), 2, *self.layers[0].block_shape)
-            for layer, values in zip(self.layers, block):
-                layer.write(block_id, values)
+            self.paged.write(block_id, block.view(self.paged.unit_shape))
             if not arena.holds(slot, block_hash):  # cleared while copied: what was copied is not trusted
                 self._load_errors.add(block_id)
 
     def _arena(self) -> StagingArena | None:
         """The agent's staging arena, mapped at the first load (the agent creates it as vLLM starts)."""
         if self._staging is None and not self._staging_failed:
-            heads, block_size, head_dim = self.layers[0].block_shape
-            element_bytes = torch.empty(0, dtype=self.options.storage_dtype).element_size()
-            payload_bytes = len(self.layers) * 2 * heads * block_size * head_dim * element_bytes
             try:
-                self._staging = StagingArena.open(self.options.staging_dir / ARENA_FILE, payload_bytes)
+                self._staging = StagingArena.open(self.options.staging_dir / ARENA_FILE,
+                                                  self.paged.unit_bytes(self.options.storage_dtype))
             except (OSError, ValueError) as exc:
                 log.error("staging arena not readable (%r); every staged block is computed", exc)
                 self._staging_failed = True
@@ -378,12 +391,11 @@ class _WorkerSide:
     def save(self, saves: list[tuple[int, str]]) -> None:
         if not saves:
             return
-        ids = torch.tensor([block_id for block_id, _ in saves], dtype=torch.long)
-        # Copy now (the request may free these blocks right after this step), in the storage dtype, on
-        # this thread: a torch operation on another thread would start a second OpenMP team beside the
-        # model's, and on a small machine the two teams' spin-waits slow every step (measured: the
-        # engine-core process took 40% of a core). The writer thread only writes bytes.
-        gathered = torch.stack([layer.read(ids) for layer in self.layers], dim=1).to(self.options.storage_dtype)
+        # Copy now (the request may free these blocks right after this step), in the storage dtype, into
+        # host memory, on this thread: a torch operation on another thread would start a second OpenMP team
+        # beside the model's, and on a small machine the two teams' spin-waits slow every step (measured:
+        # the engine-core process took 40% of a core). The writer thread only writes bytes.
+        gathered = self.paged.gather([block_id for block_id, _ in saves], self.options.storage_dtype)
         for (_, path), block in zip(saves, gathered):  # views of the one gathered copy, written from there
             self._writes.put((path, block.view(torch.uint8).numpy()))
         log.debug("saving %d blocks", len(saves))
