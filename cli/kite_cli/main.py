@@ -35,8 +35,9 @@ def _run(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    print(f"starting KITE: nats-server and 5 services (logs in {stack.log_dir}); the worker compiles "
-          "the model in vLLM (2-3 minutes on 2 cores; Ctrl-C stops it) ...", flush=True)
+    print(f"starting KITE: nats-server and 5 services (logs in {stack.log_dir}); the worker's vLLM compiles "
+          "the model at the first start (1-2 minutes on 2 cores; later starts under a minute; Ctrl-C stops "
+          "it) ...", flush=True)
     try:
         stack.start(timeout_s=900, stop=stop)
     except StartInterrupted:

@@ -278,11 +278,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KITE_VLLM_STAGING_DIR", Path, "/dev/shm", WORKER,
             "Folder (a memory-backed file system) where the KV connector stages blocks between vLLM's "
             "scheduler and model-runner processes."),
-    Setting("KITE_VLLM_STAGING_MIB", int, "256", WORKER,
+    Setting("KITE_VLLM_STAGING_MIB", int, "512", WORKER,
             "MiB of the staging arena in KITE_VLLM_STAGING_DIR: pool blocks fetched for loading wait there "
             "until vLLM's model runner copies them in (and stay while unpinned for requests with the same "
             "prefix). Reserved at start, so a full /dev/shm stops the worker then, not mid-request. The "
-            "default holds about 10,000 tokens of the default model.", minimum=1),
+            "default holds about 11,600 tokens of the default model's float32 KV (a whole 8,192-token prompt).", minimum=1),
     Setting("KITE_WORKER_KEEP_MAPPED_MIB", int, "1024", WORKER,
             "MiB of the ru-pool's hot files a worker on the pool's host keeps mapped between fetches, so "
             "fetching the same blocks again maps nothing (kite_shared.tiers.handoff.KeptMappings; every "
@@ -294,7 +294,9 @@ SETTINGS: tuple[Setting, ...] = (
             "recomputing."),
     # --- ru-pool -----------------------------------------------------------------------------------
     Setting("KITE_POOL_HOT_BYTES", int, "2147483648", RU_POOL,
-            "Byte budget of the ru-pool's in-memory hot tier (LRU).", minimum=0),
+            "Byte budget of the ru-pool's in-memory hot tier (LRU). The default holds about 46,000 tokens of "
+            "the default model's KV in float32 (its compute dtype, stored by default; twice that in float16).",
+            minimum=0),
     Setting("KITE_POOL_HANDOFF_DIR", str, "/dev/shm/kite-pool", RU_POOL,
             "Memory-backed folder (a tmpfs) where the ru-pool keeps its hot tier, one file per block, "
             "which readers on its own host map instead of getting the blocks inside NATS replies (about "
