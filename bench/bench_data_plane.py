@@ -5,7 +5,9 @@ tier, side by side with the floor each path is measured against, in one run.
 
 Starts its own nats-server, redis-server and moto S3 server on free ports, and the ru-pool as a real
 process (`python -m kite_ru_pool`, hot tier in files of its hand-off folder on /dev/shm). Blocks have
-SmolLM2-135M's geometry (30 layers, 3 KV heads, head dim 64, 16 tokens, fp16: 368,640 payload bytes).
+SmolLM2-135M's geometry (30 layers, 3 KV heads, head dim 64) as the default deployment stores them: one
+vLLM block of 32 tokens in the compute dtype, float32, 1,474,560 payload bytes (`--block-tokens`, `--dtype`
+for others: before 2026-12-06 the figures were of 16-token float16 blocks, 368,640 bytes).
 Every KITE path ends with the units verified as a worker verifies them before loading: format, HMAC
 under the cluster key, payload tag (GMAC), block hash, model and tenant (`check_units`: the headers on
 one thread, then the payloads a share per core, as the worker's pool loader verifies a fetch).
@@ -49,7 +51,8 @@ from bench_pool_lookup import make_chain
 from kite_cli.local_servers import free_port, start_nats, start_redis, wait_for_port
 from kite_shared import subjects
 from kite_shared.messages import PoolAdminRequest
-from kite_shared.recyclable_unit import RecyclableUnit
+from kite_shared.config import ENGINE_BLOCK_SIZES
+from kite_shared.recyclable_unit import TORCH_DTYPE_TO_CODEC, RecyclableUnit
 from kite_shared.security import ANONYMOUS_TENANT_TAG, ru_key
 from kite_shared.tiers.base import check_units
 from kite_shared.tiers.cold import LocalDirTier, S3Tier
@@ -94,7 +97,12 @@ async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--chain", type=int, default=128, help="blocks per fetch")
     ap.add_argument("--repeat", type=int, default=5, help="rounds per path (the median is reported)")
+    ap.add_argument("--block-tokens", type=int, default=ENGINE_BLOCK_SIZES["vllm"], help="tokens per block")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                    help="dtype of the stored KV (the default: the default model's compute dtype)")
     args = ap.parse_args()
+    shape = (30, 2, 3, args.block_tokens, 64)  # SmolLM2-135M: layers, key and value, KV heads, tokens, head dim
+    codec = TORCH_DTYPE_TO_CODEC[args.dtype]
     n = args.chain
     key = ru_key()
 
@@ -110,7 +118,7 @@ async def main() -> None:
     s3_url = f"http://127.0.0.1:{s3_port}"
     prefix = f"bench-{uuid.uuid4().hex[:6]}/"
     fp_hot, fp_warm, fp_cold = (hashlib.sha256(uuid.uuid4().bytes).hexdigest() for _ in range(3))
-    chain_hot, chain_warm, chain_cold = make_chain(fp_hot, n), make_chain(fp_warm, n), make_chain(fp_cold, n)
+    chain_hot, chain_warm, chain_cold = (make_chain(fp, n, shape, codec) for fp in (fp_hot, fp_warm, fp_cold))
     unit_bytes = len(chain_hot[0][1])
     total = n * unit_bytes
     print(f"{n} blocks of {unit_bytes:,} bytes per fetch ({total / 1e6:.1f} MB); {args.repeat} rounds; "

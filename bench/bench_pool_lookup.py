@@ -42,7 +42,7 @@ import nats
 from kite_shared.security import ru_key
 
 from kite_cli.local_servers import free_port, start_nats, start_redis
-from kite_shared import subjects
+from kite_shared import kv_codec, subjects
 from kite_shared.messages import PoolAdminReply, PoolAdminRequest, PoolLookupReply, PoolLookupRequest
 from kite_shared.recyclable_unit import RecyclableUnit
 from kite_shared.tiers.keys import BlockKey, redis_key
@@ -52,13 +52,14 @@ SHAPE = (30, 2, 3, 16, 64)
 PAYLOAD = 30 * 2 * 3 * 16 * 64 * 2
 
 
-def make_chain(fp: str, n: int) -> list[tuple[bytes, bytes]]:
+def make_chain(fp: str, n: int, shape: tuple[int, ...] = SHAPE, codec: str = "fp16") -> list[tuple[bytes, bytes]]:
+    """`n` chained units of `shape` ([layers, 2, kv heads, tokens, head dim]) in a lossless `codec`."""
     out, parent = [], hashlib.sha256(fp.encode()).digest()
-    payload = os.urandom(PAYLOAD)
+    payload = os.urandom(kv_codec.payload_bytes(codec, shape))
     for i in range(n):
         h = hashlib.sha256(parent + i.to_bytes(4, "big")).digest()
         unit = RecyclableUnit(block_hash=h, parent_hash=parent, model_fingerprint=fp, block_index=i,
-                              num_tokens=16, codec="fp16", shape=SHAPE, payload=payload)
+                              num_tokens=shape[3], codec=codec, shape=shape, payload=payload)
         out.append((h, unit.encode(key=ru_key())))  # the pool refuses units without the cluster HMAC
         parent = h
     return out

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import redis
 
@@ -82,16 +83,54 @@ def cached(r: httpx.Response) -> int:
 def wait_for_pool(stack, condition, what: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     stats: dict | str = "no answer"
+    pools = [p for p in stack.processes if p.name == "ru-pool"]
     while time.monotonic() < deadline:
         try:
             stats = pool_stats(stack)
         except subprocess.CalledProcessError as exc:  # a pool starting up answers nothing yet
             stats = exc.stderr
+            if pools and all(p.process.poll() is not None for p in pools):
+                break  # none will ever answer
         else:
             if condition(stats):
                 return
         time.sleep(0.5)
-    raise AssertionError(f"the pool never showed {what}: {stats}")
+    raise AssertionError(f"the pool never showed {what}: {stats}\n" + "\n".join(describe(stack, p) for p in pools))
+
+
+def describe(stack, proc) -> str:
+    """A service process as a wait that gave up found it: exited (its code), or running (for how long, the CPU
+    it used, where the kernel has each of its threads waiting), and the end of its log. "no ru-pool
+    answered" alone cannot tell a pool that died at start from one still importing or one blocked in a
+    system call: a CI run's restart_pool failed with only that line, and the same restart, measured here
+    100 times (beside two busy loops, beside a vLLM worker starting) and in 3 runs of the test, answered
+    within 0.7-9.0 s."""
+    code = proc.process.poll()
+    if code is not None:
+        state = f"exited with code {code}"
+    else:
+        try:
+            process = psutil.Process(proc.process.pid)
+            with process.oneshot():
+                cpu = process.cpu_times()
+                state = (f"running for {time.time() - process.create_time():.1f} s, {cpu.user + cpu.system:.2f} "
+                         f"CPU-s, {process.status()}, its threads waiting in {_wait_channels(proc.process.pid)}")
+        except psutil.Error as exc:
+            state = f"unreadable ({exc!r})"
+    return f"--- {proc.instance_id} (pid {proc.process.pid}) {state}; the end of {proc.log_path}:\n" \
+           f"{stack.tail(proc, 2000).rstrip()}"
+
+
+def _wait_channels(pid: int) -> str:
+    """The kernel function each thread of `pid` sleeps in (0: running), with counts."""
+    channels: dict[str, int] = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            channel = (task / "wchan").read_text() or "0"
+        except OSError:  # the thread ended meanwhile
+            continue
+        channels[channel] = channels.get(channel, 0) + 1
+    return ", ".join(f"{name} x{count}" for name, count in sorted(channels.items()))
 
 
 def restart_pool(stack) -> None:
