@@ -103,7 +103,7 @@ def describe(stack, proc) -> str:
     it used, where the kernel has each of its threads waiting), and the end of its log. "no ru-pool
     answered" alone cannot tell a pool that died at start from one still importing or one blocked in a
     system call: a CI run's restart_pool failed with only that line, and the same restart, measured here
-    100 times (beside two busy loops, beside a vLLM worker starting) and in 3 runs of the test, answered
+    100 times (beside two busy loops, beside a vLLM worker starting) and in 4 runs of the test, answered
     within 0.7-9.0 s."""
     code = proc.process.poll()
     if code is not None:
