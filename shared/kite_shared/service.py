@@ -322,6 +322,26 @@ def _scrub(text: str, common: CommonConfig | None) -> str:
     return text
 
 
+SUBSCRIPTIONS_CONFIRM_TIMEOUT_S = 5.0  # one PING round trip's wait (nats.py's default is 10 s)
+
+
+async def confirm_subscriptions(nc: NATS) -> None:
+    """Return once the server has processed every SUB sent so far (a PING round trip: it answers in order).
+    A reconnect meanwhile drops the PING's pending answer (nats.py forgets its pongs) but sends every
+    subscription again to the new connection: so an unanswered PING is asked again, until one is answered.
+    Before, the flush's timeout ended the service's setup, and the process: a service that lost its
+    connection while it started exited instead of serving once reconnected."""
+    while True:
+        try:
+            await nc.flush(timeout=SUBSCRIPTIONS_CONFIRM_TIMEOUT_S)
+            return
+        except nats.errors.FlushTimeoutError:
+            if nc.is_closed:
+                raise
+            log.warning("NATS did not confirm the subscriptions within %.0f s (connected: %s); asking again",
+                        SUBSCRIPTIONS_CONFIRM_TIMEOUT_S, nc.is_connected)
+
+
 _BUS_CHECK_INTERVAL_S = 0.1  # how often a drain looks whether the bus is still there
 
 
@@ -363,7 +383,7 @@ class ServiceRuntime:
         responders". nats.py's drain at shutdown unsubscribes them; a service that must stop taking work
         earlier unsubscribes the returned subscriptions."""
         subscriptions = [await self.nc.subscribe(e.subject, queue=e.queue, cb=e.on_message) for e in endpoints]
-        await self.nc.flush()  # a PING round trip: the server has processed the SUBs before it
+        await confirm_subscriptions(self.nc)
         return subscriptions
 
     def every(self, interval_s: float | Callable[[], float], work: Callable[[], Awaitable[None]],

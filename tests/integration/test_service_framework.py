@@ -5,6 +5,8 @@ until shutdown and stops with it."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import nats
 import pytest
@@ -83,3 +85,46 @@ def test_endpoints_over_a_real_bus(nats_server):
             await client.close()
 
     asyncio.run(scenario())
+
+
+def test_endpoints_served_while_the_bus_reconnects_are_confirmed_after_it_returns(monkeypatch):
+    """A service whose connection drops while the server has not yet confirmed its subscriptions (its setup:
+    rt.serve) serves once reconnected. nats.py forgets the answer of a PING sent before a reconnect, so the
+    flush that confirms the SUBs timed out and ended the setup, and the process (issue 36: the suspect of a
+    restarted pool that never answered)."""
+    from kite_cli.local_servers import start_nats
+    from kite_shared import service
+
+    monkeypatch.setattr(service, "SUBSCRIPTIONS_CONFIRM_TIMEOUT_S", 1.0)
+    servers = [start_nats()]
+
+    async def scenario() -> None:
+        rt = runtime(servers[0].url, "fw-reconnect")
+        await rt.start()
+        frozen = servers[0]
+        os.kill(frozen.process.pid, signal.SIGSTOP)  # a server that reads nothing: the PING stays unanswered
+        serving = asyncio.create_task(rt.serve(Endpoint(
+            "test.fw.reconnect", Cancel.decode, _admit, refuse=lambda e: Admission(accepted=False, error=e))))
+        await asyncio.sleep(0.3)
+        frozen.process.kill()  # the connection drops with the PING in flight; nats.py reconnects
+        frozen.process.wait()
+        servers.append(start_nats(port=frozen.port))
+        await asyncio.wait_for(serving, 15)  # confirmed on the new connection, not failed
+        client = await nats.connect(servers[1].url)
+        try:
+            reply = Admission.decode((await client.request("test.fw.reconnect", Cancel(request_id="r").encode(),
+                                                            timeout=5)).data)
+            assert reply.accepted
+        finally:
+            await client.close()
+            await rt.shutdown()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for server in servers:
+            server.stop()
+
+
+async def _admit(_cancel: Cancel) -> Admission:
+    return Admission(accepted=True, worker_id="fw-reconnect")
