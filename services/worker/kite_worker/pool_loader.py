@@ -59,14 +59,15 @@ class CostModel:
     block_bytes: int  # of a unit as workers write it (the hot tier's codec)
     prefill_seconds_per_token: float = 0.003  # replaced by the engine's measurement
     # Seeds, replaced by this worker's own fetches: bench/bench_data_plane.py on the 2-core CI machine
-    # (2026-12-01, verified reads of 128 blocks), rounded down. Hot: 820-1,445 MB/s on the pool's block
-    # stream, the path of a worker on another host (one on the pool's host maps the pool's files at
-    # 2,446-3,177 MB/s; one that can reach neither gets 290-364 inline: each learns its own on its first
-    # fetch); warm: 1,134-1,607 MB/s; cold: 108-151 MB/s from an S3 server.
+    # (2026-12-06, verified reads of 128 float32 blocks of 32 tokens, the default's), the low ends of five
+    # runs, two of them beside other test suites. Hot: 912-3,473 MB/s on the pool's block stream, the path
+    # of a worker on another host (one on the pool's host maps the pool's files at 4,355-8,178 MB/s on a
+    # first fetch; one that can reach neither gets 239-442 inline: each learns its own on its first
+    # fetch); warm: 850-2,659 MB/s; cold: 177-547 MB/s from an S3 server.
     tiers: dict[str, TierEstimate] = field(default_factory=lambda: {
-        "h": TierEstimate(latency_s=0.002, bytes_per_s=800e6),
-        "w": TierEstimate(latency_s=0.001, bytes_per_s=1000e6),
-        "c": TierEstimate(latency_s=0.010, bytes_per_s=100e6),
+        "h": TierEstimate(latency_s=0.002, bytes_per_s=900e6),
+        "w": TierEstimate(latency_s=0.001, bytes_per_s=850e6),
+        "c": TierEstimate(latency_s=0.010, bytes_per_s=170e6),
     })
 
     # A unit's bytes in the tiers whose codec differs from the hot tier's (a lossy warm or cold tier).
