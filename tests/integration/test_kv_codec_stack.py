@@ -27,32 +27,34 @@ from kite_shared.security import ru_key
 from tests.integration.test_pool_reuse import cached, chat, replace_worker, wait_for_warm_blocks
 
 
-def test_a_codec_below_the_agreement_floor_is_refused_at_start():
-    env = {**os.environ, "KITE_ENGINE": "transformers", "KITE_KV_CODEC": "int8",
-           "KITE_NATS_URL": "nats://127.0.0.1:1"}  # never reached: the guard runs before the engine starts
-    env.pop("KITE_KV_CODEC_MIN_AGREEMENT", None)
+def refused_worker(settings: dict[str, str], measured: str) -> tuple[float, str]:
+    """A transformers worker started with `settings` that its storage guard refuses (the guard runs before
+    the engine starts: NATS is never reached): (the share it measured, in %, its stderr). `measured`: the
+    guard's words for the choice, as a regular expression."""
+    env = {**os.environ, "KITE_ENGINE": "transformers", "KITE_NATS_URL": "nats://127.0.0.1:1", **settings}
+    if "KITE_KV_CODEC_MIN_AGREEMENT" not in settings:
+        env.pop("KITE_KV_CODEC_MIN_AGREEMENT", None)
     worker = subprocess.run([sys.executable, "-m", "kite_worker"], env=env, capture_output=True, text=True,
                             timeout=300)
     assert worker.returncode != 0
-    measured = re.search(r"KV codec int8 \(hot, warm and cold tiers\): (\d+\.\d)% of greedy tokens equal to "
-                         r"the KV as computed in float32", worker.stderr)
-    assert measured, worker.stderr[-2000:]
-    assert float(measured.group(1)) < 99.0 and "below KITE_KV_CODEC_MIN_AGREEMENT=0.99" in worker.stderr
+    share = re.search(measured + r": (\d+\.\d)% of greedy tokens equal to the KV as computed in float32",
+                      worker.stderr)
+    assert share, worker.stderr[-2000:]
+    return float(share.group(1)), worker.stderr
+
+
+def test_a_codec_below_the_agreement_floor_is_refused_at_start():
+    share, stderr = refused_worker({"KITE_KV_CODEC": "int8"}, r"KV codec int8 \(hot, warm and cold tiers\)")
+    assert share < 99.0 and "below KITE_KV_CODEC_MIN_AGREEMENT=0.99" in stderr
 
 
 def test_float16_storage_of_a_float32_model_is_a_lossy_choice_the_guard_measures():
     """Exact by default (issue 36): float16 storage is opt-in and measured like a codec. A floor above 100%
     shows the guard runs and refuses with the figure; the default floor's verdict is the figure's."""
-    env = {**os.environ, "KITE_ENGINE": "transformers", "KITE_KV_STORAGE_DTYPE": "float16",
-           "KITE_KV_CODEC_MIN_AGREEMENT": "1.01", "KITE_NATS_URL": "nats://127.0.0.1:1"}
-    worker = subprocess.run([sys.executable, "-m", "kite_worker"], env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert worker.returncode != 0
-    measured = re.search(r"KV storage in float16 \(KITE_KV_STORAGE_DTYPE, every tier\): (\d+\.\d)% of greedy "
-                         r"tokens equal to the KV as computed in float32", worker.stderr)
-    assert measured, worker.stderr[-2000:]
-    assert "below KITE_KV_CODEC_MIN_AGREEMENT=1.01" in worker.stderr
-    assert "unset KITE_KV_STORAGE_DTYPE to store the compute dtype, exactly" in worker.stderr
+    _, stderr = refused_worker({"KITE_KV_STORAGE_DTYPE": "float16", "KITE_KV_CODEC_MIN_AGREEMENT": "1.01"},
+                               r"KV storage in float16 \(KITE_KV_STORAGE_DTYPE, every tier\)")
+    assert "below KITE_KV_CODEC_MIN_AGREEMENT=1.01" in stderr
+    assert "unset KITE_KV_STORAGE_DTYPE to store the compute dtype, exactly" in stderr
 
 
 def test_lossy_units_live_in_their_own_namespace_and_load_through_the_codec(fresh_stack_factory):

@@ -10,14 +10,13 @@ import pytest
 import torch
 
 from kite_shared.config import ModelConfig, load
-from kite_shared.fingerprint import block_hash_chain
-from kite_shared.messages import SamplingParams, TokenizedRequest
 from kite_shared.model_store import identity, load_causal_lm, load_tokenizer, prepare
 from kite_worker.block_cache import BlockCache
 from kite_worker.codec_guard import guard_prompts
-from kite_worker.engine import Engine, EngineOptions, Sequence
+from kite_worker.engine import Engine, EngineOptions
 from kite_worker.shadow import first_token_divergence
 from tests.devices import DEVICES
+from tests.reference_engine import run
 
 BLOCK = 16
 
@@ -34,22 +33,6 @@ def make_engine(parts, storage_dtype: torch.dtype, model=None) -> Engine:
     return Engine(model or cpu_model, tok, ident, BlockCache(1 << 30),
                   EngineOptions(block_size=BLOCK, storage_dtype=storage_dtype, keep_first_logits=True,
                                 prefill_chunk_tokens=512), local.max_context_tokens)
-
-
-def run(engine: Engine, ids: list[int], reuse: bool, max_tokens: int = 16) -> Sequence:
-    request = TokenizedRequest(
-        request_id="t", model="m", prompt_token_ids=ids, reuse=reuse,
-        sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-        model_fingerprint=engine.identity.fingerprint_hex, block_size=BLOCK, stream_subject="s", created_at=0,
-        block_hashes=[bytes(h) for h in block_hash_chain(ids, BLOCK, engine.identity.root)])
-    seq = engine.new_sequence(request)
-    while (token := engine.prefill_step(seq)) is None:
-        pass
-    engine.store_prompt_blocks(seq)
-    while not engine.accept_token(seq, token)[1]:
-        token = engine.decode_step(seq)
-    engine.store_generated_blocks(seq)
-    return seq
 
 
 def assert_equivalent(engine: Engine, ids: list[int], logits_tol: float | None, expect_cached: int | None = None):

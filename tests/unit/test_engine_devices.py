@@ -9,13 +9,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kite_shared.fingerprint import (ExecutionPathFingerprint, KVLayout, ModelFingerprint, block_hash_chain,
-                                     root_hash)
-from kite_shared.messages import SamplingParams, TokenizedRequest
+from kite_shared.fingerprint import ExecutionPathFingerprint, KVLayout, ModelFingerprint, root_hash
 from kite_shared.model_store import ModelIdentity
 from kite_worker.block_cache import BlockCache
-from kite_worker.engine import Engine, EngineOptions, Sequence
+from kite_worker.engine import Engine, EngineOptions
 from tests.devices import DEVICES
+from tests.reference_engine import run
 
 BLOCK = 8
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rope_scaling="", norm_eps=1e-5,
@@ -44,22 +43,6 @@ def tiny_engine(device: str) -> Engine:
                                 prefill_chunk_tokens=16), max_context_tokens=256)
 
 
-def run(engine: Engine, ids: list[int], reuse: bool, temperature: float = 0.0, seed: int | None = None) -> Sequence:
-    request = TokenizedRequest(
-        request_id="t", model="m", prompt_token_ids=ids, reuse=reuse,
-        sampling=SamplingParams(max_tokens=12, temperature=temperature, seed=seed, ignore_eos=True),
-        model_fingerprint=engine.identity.fingerprint_hex, block_size=BLOCK, stream_subject="s", created_at=0,
-        block_hashes=[bytes(h) for h in block_hash_chain(ids, BLOCK, engine.identity.root)])
-    seq = engine.new_sequence(request)
-    while (token := engine.prefill_step(seq)) is None:
-        pass
-    engine.store_prompt_blocks(seq)
-    while not engine.accept_token(seq, token)[1]:
-        token = engine.decode_step(seq)
-    engine.store_generated_blocks(seq)
-    return seq
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_reuse_on_a_device_answers_as_recomputation_and_keeps_blocks_in_host_memory(device):
     engine = tiny_engine(device)
@@ -83,7 +66,7 @@ def test_seeded_sampling_on_a_device_draws_on_the_host_and_repeats(device):
     prompt = list(range(3, 20))
     a = run(engine, prompt, reuse=False, temperature=1.0, seed=11)
     b = run(engine, prompt, reuse=False, temperature=1.0, seed=11)
-    assert a.generated == b.generated and len(a.generated) == 12
+    assert a.generated == b.generated and len(a.generated) == 16
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -17,25 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.test_packaging import normalize, pins
+
 ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "deploy" / "gpu"
 CHECK = GPU / "check.sh"
 BUNDLE = GPU / "bundle.sh"
 CHECK_PINS = GPU / "requirements-check.txt"
-
-
-def normalize(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def pins(path: Path) -> dict[str, str]:
-    """Normalized name -> version of each `name[extras]==version` line (not following -r)."""
-    found = {}
-    for line in path.read_text().splitlines():
-        m = re.match(r"^([A-Za-z0-9_.-]+)(\[[^\]]*\])?==([^\s#;]+)", line)
-        if m:
-            found[normalize(m.group(1))] = m.group(3)
-    return found
 
 
 def pip_runs(script: Path, command: str) -> list[list[str]]:
