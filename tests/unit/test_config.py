@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import collections
 import dataclasses
 import re
 import subprocess
@@ -92,6 +94,34 @@ def test_every_config_field_reads_a_registered_variable():
     for cls in (c for c in vars(config).values() if dataclasses.is_dataclass(c) and c.__name__.endswith("Config")):
         for field in dataclasses.fields(cls):
             assert field.metadata["env"] in {s.env for s in config.SETTINGS}, (cls.__name__, field.name)
+
+
+def test_every_variable_is_declared_once():
+    """config.py names each variable in one env(...) declaration; the configs that also read it inherit that
+    field or take it with same_as, so the name is not repeated."""
+    tree = ast.parse((ROOT / "shared" / "kite_shared" / "config.py").read_text())
+    declared = collections.Counter(ast.literal_eval(node.args[0]) for node in ast.walk(tree)
+                                   if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "env")
+    assert {name for name, count in declared.items() if count > 1} == set()
+    assert set(declared) == {s.env for s in config.SETTINGS}
+
+
+def test_a_variable_is_read_by_the_services_of_the_configs_with_a_field_for_it():
+    classes = {c for c in vars(config).values() if dataclasses.is_dataclass(c) and c.__name__.endswith("Config")}
+    assert classes == set(config.READ_BY)
+    assert config.setting("KITE_NATS_URL").services == ("all",)
+    assert config.setting("KITE_MODEL_NAME").services == ("gateway", "fingerprinter", "worker")  # same_as
+    assert config.setting("KITE_TELEMETRY_WINDOW_S").services == ("gateway", "fingerprinter", "worker", "arbitrator")
+    assert config.setting("KITE_TIER_TIMEOUT_S").services == ("gateway", "worker", "ru-pool")
+
+
+def test_secret_settings_stay_out_of_every_config_repr_that_reads_them():
+    secrets = {s.env for s in config.SETTINGS if s.secret}
+    for cls in config.READ_BY:
+        fields = {f.name: f.metadata["env"] for f in dataclasses.fields(cls)}
+        hidden = {name: "do-not-print-me" for name, env in fields.items() if env in secrets}
+        if hidden:
+            assert "do-not-print-me" not in repr(load(cls, {}, **hidden)), cls.__name__
 
 
 def test_docs_config_md_is_generated_from_the_registry():
