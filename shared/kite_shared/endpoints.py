@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 Req = TypeVar("Req")
 
 # Set for the request being handled (by Endpoint, or by a handler itself); every log record made meanwhile
-# carries them (kite_shared.service.RequestContextFilter).
+# carries them (kite_shared.service.logs.RequestContextFilter).
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("kite_request_id", default="")
 tenant_var: contextvars.ContextVar[str] = contextvars.ContextVar("kite_tenant", default="")
 

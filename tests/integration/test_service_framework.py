@@ -93,9 +93,9 @@ def test_endpoints_served_while_the_bus_reconnects_are_confirmed_after_it_return
     flush that confirms the SUBs timed out and ended the setup, and the process (issue 36: the suspect of a
     restarted pool that never answered)."""
     from kite_cli.local_servers import start_nats
-    from kite_shared import service
+    from kite_shared.service import nats_connection
 
-    monkeypatch.setattr(service, "SUBSCRIPTIONS_CONFIRM_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(nats_connection, "SUBSCRIPTIONS_CONFIRM_TIMEOUT_S", 1.0)
     servers = [start_nats()]
 
     async def scenario() -> None:
