@@ -126,5 +126,38 @@ def test_endpoints_served_while_the_bus_reconnects_are_confirmed_after_it_return
             server.stop()
 
 
+def test_a_subscription_is_confirmed_only_after_the_server_was_sent_it(nats_server):
+    """confirm_subscriptions' PING follows the SUBs made before it on the wire, so its PONG confirms them.
+    nats.py 2.16 writes a PING straight to the socket while other commands wait in its buffer for its
+    flusher task: the PONG could come back before the server had read a SUB, and a message published at
+    once found no subscriber (seen: "no responders" for an endpoint that serve had just confirmed)."""
+    from kite_shared.service.nats_connection import confirm_subscriptions, connect_nats
+
+    async def scenario() -> bytes:
+        nc = await connect_nats(nats_server.url, "confirm-order", allow_reconnect=False)
+        written: list[bytes] = []
+        transport = nc._transport
+        write, writelines = transport.write, transport.writelines
+
+        def record(data: bytes) -> None:
+            written.append(bytes(data))
+            write(data)
+
+        def record_lines(lines: list[bytes]) -> None:
+            written.extend(bytes(line) for line in lines)
+            writelines(lines)
+
+        transport.write, transport.writelines = record, record_lines
+        try:
+            await nc.subscribe("test.fw.confirm")
+            await confirm_subscriptions(nc)
+        finally:
+            await nc.close()
+        return b"".join(written)
+
+    wire = asyncio.run(scenario())
+    assert wire.index(b"SUB test.fw.confirm") < wire.index(b"PING"), wire
+
+
 async def _admit(_cancel: Cancel) -> Admission:
     return Admission(accepted=True, worker_id="fw-reconnect")

@@ -8,6 +8,7 @@ kite_shared.service.runtime (and kite_shared.endpoints).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import nats
+from nats.aio.client import PING_PROTO
 from nats.aio.client import Client as NATS
 from prometheus_client import Counter
 
@@ -106,13 +108,24 @@ def _check_nkey_seed_file(path: Path) -> Path:
 
 
 class _KiteNatsClient(NATS):
-    """A nats-py client that never sends CONNECT (credentials included) in plaintext when TLS is wanted.
+    """A nats-py client that never sends CONNECT (credentials included) in plaintext when TLS is wanted,
+    and whose flush() confirms every command sent before it.
 
     nats-py upgrades a connection to TLS only when the server's INFO says `tls_required`, even for a tls://
     URL or a `tls=` context: a server without TLS (or anyone in the middle rewriting INFO) would receive
     the password or token in the clear. With TLS configured this client refuses the server instead
     (nats.errors.SecureConnWantedError, "secure connection not available").
+
+    nats-py 2.16 writes a PING straight to the socket while the commands before it (a SUB just made) wait
+    in its buffer for its flusher task: the PONG could come back before the server had read them, so
+    confirm_subscriptions confirmed a subscription the server did not have yet, and a message published
+    at once found no subscriber. Here a PING takes its place in that buffer, behind them.
     """
+
+    async def _send_ping(self, future: asyncio.Future | None = None) -> None:
+        self._pongs.append(future if future is not None else asyncio.get_running_loop().create_future())
+        await self._send_command(PING_PROTO)
+        await self._flush_pending()
 
     def _connect_command(self) -> bytes:
         server = self._current_server
