@@ -31,7 +31,7 @@ class Bus:
         self.is_connected = True
         self.fail_telemetry = False
 
-    async def flush(self) -> None:  # ServiceRuntime.serve waits for the server to have the SUBs
+    async def flush(self, timeout: float) -> None:  # ServiceRuntime.serve waits for the server to have the SUBs
         return None
 
     async def publish(self, subject: str, data: bytes) -> None:
