@@ -3,13 +3,14 @@
 A service entrypoint is thin:
 
     async def setup(rt: ServiceRuntime) -> None:
-        await rt.serve(Endpoint(subject, Request.decode, core_handler, refuse=..., queue=...), ...)
+        await rt.serve(Endpoint(subject, core_handler), ...)
         rt.publish_every(cfg.telemetry_interval_s, subjects.telemetry("worker"), build_telemetry)
         rt.on_drain(wait_for_in_flight_work)        # optional
 
     run_service("worker", setup)
 
-How endpoints decode, reply, trace and count, and how periodic work survives failures: `endpoints`.
+How endpoints decode (by the table of subjects, kite_shared.subjects), reply, trace and count, and how
+periodic work survives failures: `endpoints`.
 
 run_service sets up the JSON logs (logs), connects (nats_connection), freezes the startup heap before and
 after setup (heap) and stops the process's children on the way out (process).
@@ -78,7 +79,7 @@ class ServiceRuntime:
         log.info("connecting to NATS %s", redact_url(self.common.nats_url))
         self.nc = await connect_nats(self.common.nats_url, self.instance_id, self.common,
                                      error_log=self.nats_errors)
-        await self.serve(Endpoint(subjects.ping(self.service), Ping.decode, self._pong, queue=self.service))
+        await self.serve(Endpoint(subjects.ping(self.service), self._pong))  # queue group: the service
         self.every(self.common.heartbeat_interval_s, self.publish_heartbeat, "heartbeat")
 
     async def serve(self, *endpoints: Endpoint) -> list[Subscription]:
