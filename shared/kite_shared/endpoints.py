@@ -1,20 +1,24 @@
 """How a KITE service answers NATS messages and runs periodic work, written once for every service.
 
-nats.py's `micro` is the model: a service declares its endpoints (subject + request type + handler + queue
-group) and the framework does the rest, the same way everywhere:
+nats.py's `micro` is the model: a service declares its endpoints (subject + handler) and the framework does
+the rest, the same way everywhere:
 
     rt.serve(
-        Endpoint(subjects.POOL_LOOKUP, PoolLookupRequest.decode, pool.lookup,
-                 refuse=lambda error: PoolLookupReply(error=error), queue=subjects.RU_POOL_QUEUE,
-                 span="kite.ru_pool.lookup"),
-        Endpoint(subjects.POOL_BLOCK_EVENTS, BLOCK_EVENT.decode, pool.on_block_event),  # an event: no reply
+        Endpoint(subjects.POOL_LOOKUP, pool.lookup, span="kite.ru_pool.lookup"),
+        Endpoint(subjects.POOL_BLOCK_EVENTS, pool.on_block_event),  # an event: no reply
     )
     rt.publish_every(cfg.telemetry_interval_s, subjects.telemetry("ru-pool"), pool.telemetry)
 
+What a subject carries, its reply, how that reply carries an error and the subscribers' queue group come
+from the table of subjects (kite_shared.subjects.TABLE, REFUSALS); an endpoint gives its own `refuse` only
+where the error reply names its responder (AdapterAdminReply). A subject missing from the table is refused
+when the Endpoint is made.
+
 For each message the framework
 1. continues the caller's trace (traceparent in the NATS headers) in a span named `span`, if one is named;
-2. decodes the bytes with `decode`; a MessageError is answered with `refuse(ErrorInfo("invalid_message"))`,
-   or, for an event (no `refuse`), logged and dropped: there is no one to tell;
+2. decodes the bytes as the subject's message; a MessageError is answered with the error reply
+   (`refusal(ErrorInfo("invalid_message"))`), or, for a subject whose reply carries no error (an event,
+   a ping), logged and dropped: there is no one to tell;
 3. sets the request context (request id, tenant) that every log line then carries;
 4. awaits `handle(request)`, which returns the reply (or None: nothing to send). A handler refuses a request
    by raising `Refusal(ErrorInfo)`; any other exception is a bug: logged with its traceback and answered
@@ -37,13 +41,14 @@ import contextvars
 import functools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Generic, TypeVar
 
 import nats.errors
 from prometheus_client import Counter, Histogram
 from pydantic import BaseModel
 
+from kite_shared import subjects
 from kite_shared.messages import ErrorInfo, Message, MessageError
 from kite_shared.tracing import server_span, use_span
 
@@ -52,7 +57,7 @@ log = logging.getLogger(__name__)
 Req = TypeVar("Req")
 
 # Set for the request being handled (by Endpoint, or by a handler itself); every log record made meanwhile
-# carries them (kite_shared.service.RequestContextFilter).
+# carries them (kite_shared.service.logs.RequestContextFilter).
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("kite_request_id", default="")
 tenant_var: contextvars.ContextVar[str] = contextvars.ContextVar("kite_tenant", default="")
 
@@ -64,7 +69,7 @@ ENDPOINT_SECONDS = Histogram("kite_endpoint_seconds", "Time from receiving a mes
 
 
 class Refusal(Exception):
-    """Raised by a handler to answer with an error instead of a result (the endpoint's `refuse` reply)."""
+    """Raised by a handler to answer with an error instead of a result (the endpoint's error reply)."""
 
     def __init__(self, error: ErrorInfo) -> None:
         super().__init__(error.message)
@@ -73,15 +78,28 @@ class Refusal(Exception):
 
 @dataclass(frozen=True)
 class Endpoint(Generic[Req]):
-    subject: str
-    decode: Callable[[bytes], Req]  # a Message class's decode, a OneOf's decode, or bytes (raw payloads)
+    subject: str  # a subject of kite_shared.subjects.TABLE (or an instance of a row's pattern)
     handle: Callable[[Req], Awaitable[Message | None]]
-    # The reply that carries an error (invalid message, refusal, handler bug). None for an event subject:
-    # nobody waits for an answer, so a bad message is logged and dropped.
+    # The reply that carries an error, for a reply type that names its responder; else the table's.
     refuse: Callable[[ErrorInfo], Message] | None = None
-    queue: str = ""  # queue group: each message goes to one member ("" = every subscriber gets it)
     span: str = ""  # trace span around the handling ("" = none: high-rate events are not traced)
     name: str = ""  # metrics label; the subject when empty
+    # From the table: the subject's decoder (a Message class's, a OneOf's, or bytes for raw payloads); the
+    # reply that carries an error (invalid message, refusal, handler bug), None where nobody waits for an
+    # answer or the reply carries no error, so a bad message is logged and dropped; the queue group (each
+    # message goes to one member; "" = every subscriber gets it).
+    decode: Callable[[bytes], Req] = field(init=False, repr=False, compare=False)
+    refusal: Callable[[ErrorInfo], Message] | None = field(init=False, repr=False, compare=False)
+    queue: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        spec = subjects.spec_of(self.subject)
+        if self.refuse is not None and spec.reply is None:
+            raise ValueError(f"{self.subject} is published: nobody waits for a reply to refuse with")
+        # A frozen dataclass's derived fields are set once, here.
+        object.__setattr__(self, "decode", spec.decode)
+        object.__setattr__(self, "refusal", self.refuse or spec.refusal)
+        object.__setattr__(self, "queue", spec.queue_for(self.subject))
 
     @property
     def label(self) -> str:
@@ -127,26 +145,26 @@ class Endpoint(Generic[Req]):
         try:
             request = self.decode(data)
         except MessageError as exc:
-            if self.refuse is None:
+            if self.refusal is None:
                 log.warning("dropped a bad message on %s: %s", self.subject, exc)
                 return None, "invalid_message"
-            return self.refuse(ErrorInfo(code="invalid_message", message=str(exc))), "invalid_message"
+            return self.refusal(ErrorInfo(code="invalid_message", message=str(exc))), "invalid_message"
         _set_request_context(request)
         try:
             return await self.handle(request), "ok"
         except Refusal as exc:
-            if self.refuse is None:
+            if self.refusal is None:
                 log.warning("refused an event on %s: %s", self.subject, exc.error.message)
                 return None, exc.error.code
-            return self.refuse(exc.error), exc.error.code
+            return self.refusal(exc.error), exc.error.code
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("handler for %s failed", self.subject)
-            if self.refuse is None:
+            if self.refusal is None:
                 return None, "internal_error"
-            return self.refuse(ErrorInfo(code="internal_error",
-                                         message=f"the service failed to handle {self.label}")), "internal_error"
+            return self.refusal(ErrorInfo(code="internal_error",
+                                          message=f"the service failed to handle {self.label}")), "internal_error"
 
     async def on_message(self, msg: Any) -> None:
         """nats.py subscription callback."""

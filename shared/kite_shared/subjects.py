@@ -1,4 +1,4 @@
-"""Every NATS subject KITE uses, in one place.
+"""Every NATS subject KITE uses, in one place, and the table of what each carries.
 
 Subjects are versioned (`kite.v1.`) so a future wire change can run beside the old one. Queue groups make
 a subject load-balanced across replicas: running more processes of a service is how it scales.
@@ -8,41 +8,50 @@ never a timeout):
 
     gateway --FINGERPRINT--> fingerprinter --WORKER_GENERATE--> worker
     worker  --stream_subject(gateway, request)--> gateway          (token chunks, then end or error)
+
+TABLE says, for each subject (or the pattern of a per-instance one, `<name>` standing for one token): the
+message it carries, the reply (None: published, nobody answers), the queue group of its subscribers and who
+sends it to whom. The service framework decodes what an endpoint receives by it (kite_shared.endpoints:
+an Endpoint names only its subject), REFUSALS says how each reply type carries an error, and
+docs/subjects.md is generated from it (`python -m kite_shared.subjects --markdown`).
+
+Boundary: names and the table; how messages are encoded is kite_shared.messages.
 """
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kite_shared.messages import (
+    BLOCK_EVENT, STREAM_EVENT, TELEMETRY, AdapterAdminReply, AdapterAdminRequest, Admission, ArbitratorAdminReply,
+    ArbitratorAdminRequest, ArbitratorTelemetry, Cancel, Decision, ErrorInfo, FingerprinterTelemetry,
+    GatewayTelemetry, GenerateRequest, Heartbeat, Message, ModelFingerprintChanged, OneOf, Ping, PoolAdminReply,
+    PoolAdminRequest, PoolGetReply, PoolGetRequest, PoolIndexChanges, PoolLookupReply, PoolLookupRequest,
+    PoolTelemetry, Pong, ShadowCheckResult, TokenizedRequest, WorkerCachesReply, WorkerCachesRequest,
+    WorkerTelemetry,
+)
+
 PREFIX = "kite.v1"
 
-# gateway -> fingerprinter (queue group FINGERPRINTER_QUEUE); reply: messages.Admission
 FINGERPRINT = f"{PREFIX}.fingerprint"
 FINGERPRINTER_QUEUE = "fingerprinter"
 
-# fingerprinter -> any worker (queue group WORKER_QUEUE); reply: messages.Admission
 WORKER_GENERATE = f"{PREFIX}.worker.generate"
 WORKER_QUEUE = "worker"
-
-# gateway -> every worker: stop generating a request whose client went away (messages.Cancel)
 WORKER_CANCEL = f"{PREFIX}.worker.cancel"
 
-# worker -> ru-pool (queue group RU_POOL_QUEUE): an encoded recyclable unit (kite_shared.recyclable_unit)
 POOL_PUT = f"{PREFIX}.pool.put"
 RU_POOL_QUEUE = "ru-pool"
 
-# every service -> anyone: messages.Heartbeat, one subject per service kind
 HEARTBEAT_WILDCARD = f"{PREFIX}.heartbeat.>"
-
-# telemetry and decisions (arbitrator); schemas in kite_shared.messages.control
 TELEMETRY_WILDCARD = f"{PREFIX}.telemetry.>"
-# arbitrator -> everyone (no queue group): telemetry.Decision, applied by the service(s) it names
 DECISIONS = f"{PREFIX}.arbitrator.decisions"
-# admin tools -> every fingerprinter and worker (no queue group), request with many replies:
-# messages.AdapterAdminRequest -> one messages.AdapterAdminReply from each
 ADAPTER_ADMIN = f"{PREFIX}.adapters.admin"
-# worker -> arbitrators and ru-pools (no queue group): messages.ShadowCheckResult, one per shadow verification
 SHADOW_RESULTS = f"{PREFIX}.shadow.results"
-# admin tools -> arbitrator, request/reply: telemetry.ArbitratorAdminRequest -> ArbitratorAdminReply
 ARBITRATOR_ADMIN = f"{PREFIX}.arbitrator.admin"
+ARBITRATOR_QUEUE = "arbitrator"
 
 
 def telemetry(service: str) -> str:
@@ -86,22 +95,12 @@ def _token(part: str) -> str:
 # changes and model fingerprints reach every replica (no queue group); each replica also answers on its
 # own subjects (pool_replica).
 
-# anyone -> ru-pool, request/reply: messages.PoolLookupRequest -> messages.PoolLookupReply
 POOL_LOOKUP = f"{PREFIX}.pool.lookup"
-# anyone -> ru-pool, request/reply: messages.PoolGetRequest -> messages.PoolGetReply
 POOL_GET = f"{PREFIX}.pool.get"
-# admin tools -> ru-pool, request/reply: messages.PoolAdminRequest -> messages.PoolAdminReply
 POOL_ADMIN = f"{PREFIX}.pool.admin"
-# worker -> every ru-pool replica (no queue group): messages.BlockStored / messages.BlockRemoved (decode
-# with BLOCK_EVENT)
 POOL_BLOCK_EVENTS = f"{PREFIX}.pool.block_events"
-# ru-pool replica -> every other replica (no queue group): messages.PoolIndexChanges, what it changed in
-# the shared tiers (warm, cold), pins, clears and invalidations
 POOL_INDEX_CHANGES = f"{PREFIX}.pool.index_changes"
-# a joining ru-pool replica -> one live replica (queue group RU_POOL_QUEUE), request/reply:
-# messages.WorkerCachesRequest -> messages.WorkerCachesReply (the worker-cache index, page by page)
 POOL_WORKER_CACHES = f"{PREFIX}.pool.worker_caches"
-# fingerprinter -> everyone (no queue group at the receivers): messages.ModelFingerprintChanged
 MODEL_FINGERPRINT = f"{PREFIX}.model.fingerprint"
 
 POOL_REPLICA_OPS = ("put", "lookup", "get", "admin")
@@ -114,3 +113,184 @@ def pool_replica(instance_id: str, op: str) -> str:
         raise ValueError(f"not an ru-pool operation: {op!r}")
     safe = "".join("_" if c in ".*> \t\r\n" else c for c in instance_id)  # host names have dots
     return f"{PREFIX}.pool.replica.{_token(safe)}.{op}"
+
+
+# --- the table ---------------------------------------------------------------------------------------
+
+Carried = type[Message] | OneOf | type[bytes]  # a message, one of several kinds, or raw bytes
+
+
+@dataclass(frozen=True)
+class SubjectSpec:
+    """One row of TABLE."""
+
+    subject: str  # the subject, or its pattern: `<name>` stands for one token (a wildcard is a row of its own)
+    carries: Carried
+    reply: type[Message] | None  # None: published, nobody answers
+    route: str  # who sends it to whom, and when
+    queue: str = ""  # the subscribers' queue group ("": every subscriber gets each message); `<name>`: that token
+
+    @property
+    def decode(self) -> Callable[[bytes], Any]:
+        return self.carries if self.carries is bytes else self.carries.decode
+
+    @property
+    def refusal(self) -> Callable[[ErrorInfo], Message] | None:
+        """The reply carrying an error, when the reply type carries one by itself (REFUSALS)."""
+        return REFUSALS.get(self.reply) if self.reply is not None else None
+
+    def tokens(self, subject: str) -> dict[str, str] | None:
+        """The placeholders' values when `subject` is this row's subject (or an instance of its pattern),
+        else None. A wildcard token never fills a placeholder."""
+        if subject == self.subject:
+            return {}
+        want, got = self.subject.split("."), subject.split(".")
+        if len(want) != len(got):
+            return None
+        values: dict[str, str] = {}
+        for pattern, token in zip(want, got):
+            if _is_placeholder(pattern) and token not in ("*", ">"):
+                values[pattern] = token
+            elif pattern != token:
+                return None
+        return values
+
+    def queue_for(self, subject: str) -> str:
+        """The queue group of `subject`'s subscribers."""
+        return self.tokens(subject)[self.queue] if _is_placeholder(self.queue) else self.queue
+
+
+def _is_placeholder(token: str) -> bool:
+    return token.startswith("<") and token.endswith(">")
+
+
+_TELEMETRY = {  # service -> its telemetry message, who listens and when it is sent
+    "gateway": (GatewayTelemetry, "gateway -> arbitrator, every KITE_TELEMETRY_INTERVAL_S"),
+    "fingerprinter": (FingerprinterTelemetry, "fingerprinter -> arbitrator, every KITE_TELEMETRY_INTERVAL_S"),
+    "worker": (WorkerTelemetry, "worker -> arbitrator and fingerprinters (routing), every "
+                                "KITE_TELEMETRY_INTERVAL_S and at once on a significant change"),
+    "ru-pool": (PoolTelemetry, "ru-pool -> arbitrator, every KITE_TELEMETRY_INTERVAL_S"),
+    "arbitrator": (ArbitratorTelemetry, "arbitrator -> anyone watching (not an input to decisions), every "
+                                        "KITE_TELEMETRY_INTERVAL_S"),
+}
+_REPLICA = f"{PREFIX}.pool.replica.<instance>"
+_ONE_REPLICA = "the same, to one ru-pool replica only (pool_replica: dots in the instance id become _)"
+
+TABLE: tuple[SubjectSpec, ...] = (
+    # the request path
+    SubjectSpec(FINGERPRINT, GenerateRequest, Admission, queue=FINGERPRINTER_QUEUE,
+                route="gateway -> one fingerprinter: a completion to tokenize, fingerprint and dispatch"),
+    SubjectSpec(WORKER_GENERATE, TokenizedRequest, Admission, queue=WORKER_QUEUE,
+                route="fingerprinter -> any worker (routing's fallback)"),
+    SubjectSpec(f"{PREFIX}.worker.<worker>.generate", TokenizedRequest, Admission,
+                route="fingerprinter -> the worker its router chose (worker_generate: dots become _)"),
+    SubjectSpec(WORKER_CANCEL, Cancel, None,
+                route="gateway -> every worker: stop generating a request whose client went away"),
+    SubjectSpec(f"{PREFIX}.stream.<gateway>.<request>", STREAM_EVENT, None,
+                route="worker -> the gateway that asked (stream): the request's tokens, then its end or error"),
+    # the ru-pool
+    SubjectSpec(POOL_PUT, bytes, None, queue=RU_POOL_QUEUE,
+                route="worker -> one ru-pool replica: an encoded recyclable unit (kite_shared.recyclable_unit)"),
+    SubjectSpec(POOL_LOOKUP, PoolLookupRequest, PoolLookupReply, queue=RU_POOL_QUEUE,
+                route="worker, fingerprinter -> one ru-pool replica: how much of a block chain is stored, where"),
+    SubjectSpec(POOL_GET, PoolGetRequest, PoolGetReply, queue=RU_POOL_QUEUE,
+                route="worker -> one ru-pool replica: the units of these blocks"),
+    SubjectSpec(POOL_ADMIN, PoolAdminRequest, PoolAdminReply, queue=RU_POOL_QUEUE,
+                route="admin tools -> one ru-pool replica: stats, clear, pin, unpin, evict, purge"),
+    SubjectSpec(f"{_REPLICA}.put", bytes, None, route=_ONE_REPLICA),
+    SubjectSpec(f"{_REPLICA}.lookup", PoolLookupRequest, PoolLookupReply, route=_ONE_REPLICA),
+    SubjectSpec(f"{_REPLICA}.get", PoolGetRequest, PoolGetReply, route=_ONE_REPLICA),
+    SubjectSpec(f"{_REPLICA}.admin", PoolAdminRequest, PoolAdminReply, route=_ONE_REPLICA),
+    SubjectSpec(POOL_BLOCK_EVENTS, BLOCK_EVENT, None,
+                route="worker -> every ru-pool replica: blocks its local cache now holds or dropped"),
+    SubjectSpec(POOL_INDEX_CHANGES, PoolIndexChanges, None,
+                route="ru-pool replica -> every other replica: what it changed in the shared tiers, pins, "
+                      "clears and invalidations"),
+    SubjectSpec(POOL_WORKER_CACHES, WorkerCachesRequest, WorkerCachesReply, queue=RU_POOL_QUEUE,
+                route="a joining ru-pool replica -> one live replica: the worker-cache index, page by page"),
+    SubjectSpec(MODEL_FINGERPRINT, ModelFingerprintChanged, None,
+                route="fingerprinter -> everyone: the fingerprint now current for a model name"),
+    # liveness, telemetry, decisions, admin
+    SubjectSpec(f"{PREFIX}.heartbeat.<service>", Heartbeat, None,
+                route="every service -> anyone (heartbeat), every KITE_HEARTBEAT_INTERVAL_S"),
+    SubjectSpec(HEARTBEAT_WILDCARD, Heartbeat, None, route="every service's heartbeats at once (gateway, arbitrator)"),
+    SubjectSpec(f"{PREFIX}.<service>.ping", Ping, Pong, queue="<service>",
+                route="anyone -> one replica of the service (ping): a health probe"),
+    *(SubjectSpec(telemetry(service), message, None, route=route) for service, (message, route) in _TELEMETRY.items()),
+    SubjectSpec(TELEMETRY_WILDCARD, TELEMETRY, None, route="every service's telemetry at once (arbitrator)"),
+    SubjectSpec(DECISIONS, Decision, None,
+                route="arbitrator -> everyone: a decision on every change and a periodic refresh, applied by "
+                      "the service(s) it names"),
+    SubjectSpec(SHADOW_RESULTS, ShadowCheckResult, None,
+                route="worker -> arbitrators and ru-pools: one shadow verification of a cache hit"),
+    SubjectSpec(ARBITRATOR_ADMIN, ArbitratorAdminRequest, ArbitratorAdminReply, queue=ARBITRATOR_QUEUE,
+                route="admin tools -> the leading arbitrator"),
+    SubjectSpec(ADAPTER_ADMIN, AdapterAdminRequest, AdapterAdminReply,
+                route="admin tools -> every fingerprinter and worker: one reply from each (scatter-gather)"),
+)
+
+# How each reply type carries an error: the framework's answer to a request it cannot decode, to a
+# handler's Refusal and to a handler's bug (kite_shared.endpoints). A reply type missing here carries none
+# (Pong: a bad ping is dropped) or names its responder (AdapterAdminReply: its endpoints give their own).
+REFUSALS: dict[type[Message], Callable[[ErrorInfo], Message]] = {
+    Admission: lambda error: Admission(accepted=False, error=error),
+    PoolLookupReply: lambda error: PoolLookupReply(error=error),
+    PoolGetReply: lambda error: PoolGetReply(error=error),
+    PoolAdminReply: lambda error: PoolAdminReply(ok=False, error=error),
+    WorkerCachesReply: lambda error: WorkerCachesReply(error=error),
+    ArbitratorAdminReply: lambda error: ArbitratorAdminReply(ok=False, error=error.message),
+}
+
+_BY_SUBJECT = {spec.subject: spec for spec in TABLE}
+
+
+def spec_of(subject: str) -> SubjectSpec:
+    """The row of TABLE for `subject` (a subject, an instance of a row's pattern, or a row's wildcard)."""
+    spec = _BY_SUBJECT.get(subject)
+    if spec is not None:
+        return spec
+    found = [spec for spec in TABLE if spec.tokens(subject) is not None]
+    if len(found) != 1:
+        raise ValueError(f"subject {subject!r} is " + ("not in kite_shared.subjects.TABLE" if not found else
+                         f"an instance of several rows of kite_shared.subjects.TABLE: {[s.subject for s in found]}"))
+    return found[0]
+
+
+def _names(carried: Carried | None) -> str:
+    if carried is None:
+        return "(published)"
+    if carried is bytes:
+        return "bytes"
+    if isinstance(carried, OneOf):
+        return " \\| ".join(f"`{cls.__name__}`" for cls in carried.classes)
+    return f"`{carried.__name__}`"
+
+
+def markdown_reference() -> str:
+    """docs/subjects.md, generated from TABLE."""
+    lines = [
+        "# NATS subjects",
+        "",
+        "Generated from `shared/kite_shared/subjects.py` (`TABLE`) by `python -m kite_shared.subjects --markdown`;"
+        " do not edit by hand.",
+        "Every subject KITE uses: the message it carries (`shared/kite_shared/messages/`), the reply (none: it is"
+        " published), the queue group of its subscribers (none: every subscriber gets each message) and who"
+        " sends it to whom. `<name>` stands for one token of a per-instance subject (as a queue group: that"
+        " token). A service's endpoint"
+        " (`shared/kite_shared/endpoints.py`) decodes what it receives by this table; a request that does not"
+        " decode is answered with the reply carrying `error.code=\"invalid_message\"`.",
+        "",
+        "| Subject | Carries | Reply | Queue group | From -> to |",
+        "|---|---|---|---|---|",
+    ]
+    for spec in TABLE:
+        queue = f"`{spec.queue}`" if spec.queue else ""
+        lines.append(f"| `{spec.subject}` | {_names(spec.carries)} | {_names(spec.reply)} | {queue} | {spec.route} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--markdown"]:
+        sys.stdout.write(markdown_reference())
+    else:
+        sys.exit("usage: python -m kite_shared.subjects --markdown")

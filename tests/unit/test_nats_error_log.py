@@ -13,7 +13,7 @@ from kite_shared.service import NatsErrorLog
 
 
 def records(caplog) -> list[tuple[int, str]]:
-    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "kite_shared.service"]
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "kite_shared.service.nats_connection"]
 
 
 async def test_a_repeated_error_is_logged_with_backoff_and_counted(caplog):

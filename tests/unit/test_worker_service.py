@@ -17,7 +17,6 @@ from kite_shared.messages import (Admission, Cancel, SamplingParams, StreamEnd, 
                                   Usage, WorkerTelemetry)
 from kite_shared.service import ServiceRuntime
 from kite_shared.tier_codecs import TierCodecs
-from kite_worker.__main__ import refused
 from kite_worker.engine import RequestRejected
 from kite_worker.service import LoadedModel, WorkerService
 
@@ -31,7 +30,7 @@ class Bus:
         self.is_connected = True
         self.fail_telemetry = False
 
-    async def flush(self, timeout: float = 10) -> None:  # ServiceRuntime.serve waits for the server to have the SUBs
+    async def flush(self, timeout: float) -> None:  # ServiceRuntime.serve waits for the server to have the SUBs
         return None
 
     async def publish(self, subject: str, data: bytes) -> None:
@@ -113,8 +112,7 @@ async def worker() -> WorkerService:
                                              shadow_fraction=0.0))  # its stand-in scheduler checks nothing
     service.scheduler = StandInScheduler()
     await service.start()
-    generate = Endpoint(subjects.WORKER_GENERATE, TokenizedRequest.decode, service.generate, refuse=refused,
-                        queue=subjects.WORKER_QUEUE, span="kite.worker.admit")
+    generate = Endpoint(subjects.WORKER_GENERATE, service.generate, span="kite.worker.admit")
     service.take_requests_on(generate)
     await service.control.start()
     return service
@@ -128,7 +126,7 @@ def request(request_id: str) -> bytes:
 
 
 async def admit(worker: WorkerService, data: bytes) -> Admission:
-    endpoint = Endpoint(subjects.WORKER_GENERATE, TokenizedRequest.decode, worker.generate, refuse=refused)
+    endpoint = Endpoint(subjects.WORKER_GENERATE, worker.generate)
     return await endpoint.answer(data)
 
 

@@ -39,7 +39,7 @@ from kite_shared import subjects
 from kite_shared.config import ArbitratorConfig
 from kite_shared.endpoints import Endpoint, Refusal
 from kite_shared.lease import LeaderLease
-from kite_shared.messages import (ROUTING_MODES, TELEMETRY, AnyTelemetry, ArbitratorAdminReply,
+from kite_shared.messages import (ROUTING_MODES, AnyTelemetry, ArbitratorAdminReply,
                                   ArbitratorAdminRequest, ArbitratorTelemetry, Decision, ErrorInfo, Heartbeat,
                                   ShadowCheckResult)
 from kite_shared.service import ServiceRuntime
@@ -96,10 +96,10 @@ class ArbitratorService:
 
     async def start(self) -> None:
         await self.rt.serve(
-            Endpoint(subjects.HEARTBEAT_WILDCARD, Heartbeat.decode, self.on_heartbeat),
-            Endpoint(subjects.TELEMETRY_WILDCARD, TELEMETRY.decode, self.on_telemetry),
-            Endpoint(subjects.DECISIONS, Decision.decode, self.on_decision),
-            Endpoint(subjects.SHADOW_RESULTS, ShadowCheckResult.decode, self.on_shadow_result))
+            Endpoint(subjects.HEARTBEAT_WILDCARD, self.on_heartbeat),
+            Endpoint(subjects.TELEMETRY_WILDCARD, self.on_telemetry),
+            Endpoint(subjects.DECISIONS, self.on_decision),
+            Endpoint(subjects.SHADOW_RESULTS, self.on_shadow_result))
         await self._keep_lease()  # lead at once when no other replica does
         self.rt.every(self.lease.renew_interval_s, self._keep_lease, "arbitrator leader lease")
         self.rt.every(self.cfg.eval_interval_s, self._evaluate, "periodic evaluation")
@@ -117,9 +117,7 @@ class ArbitratorService:
         self.leader = leader
         if leader:
             log.info("leading the arbitrators (lease %.1f s)", self.cfg.lease_s)
-            self._admin_subscriptions = await self.rt.serve(Endpoint(
-                subjects.ARBITRATOR_ADMIN, ArbitratorAdminRequest.decode, self.admin, queue="arbitrator",
-                refuse=lambda error: ArbitratorAdminReply(ok=False, error=error.message)))
+            self._admin_subscriptions = await self.rt.serve(Endpoint(subjects.ARBITRATOR_ADMIN, self.admin))
             for decision in await self.quarantine_store.load():  # kept across every replica's restart
                 self.quarantine.adopt(decision)
             await self._quarantine_due()  # what crossed the threshold while nobody led

@@ -113,9 +113,9 @@ class Router:
 
     def endpoints(self) -> list[Endpoint]:
         """What the router listens to: the workers' liveness and load, the arbitrator's decisions."""
-        return [Endpoint(subjects.heartbeat("worker"), Heartbeat.decode, self.on_heartbeat),
-                Endpoint(subjects.telemetry("worker"), WorkerTelemetry.decode, self.on_telemetry),
-                Endpoint(subjects.DECISIONS, Decision.decode, self.on_decision)]
+        return [Endpoint(subjects.heartbeat("worker"), self.on_heartbeat),
+                Endpoint(subjects.telemetry("worker"), self.on_telemetry),
+                Endpoint(subjects.DECISIONS, self.on_decision)]
 
     def num_live_workers(self) -> int:
         return len(self.live.candidates(time.monotonic()))

@@ -56,9 +56,8 @@ class FingerprinterService:
                                               "adapters": sorted(self.core.adapters),
                                               "model_fingerprints": self.model_fingerprints()})
         await self.rt.serve(
-            Endpoint(subjects.FINGERPRINT, GenerateRequest.decode, self.admit, queue=subjects.FINGERPRINTER_QUEUE,
-                     refuse=lambda error: Admission(accepted=False, error=error), span="kite.fingerprinter.admit"),
-            Endpoint(subjects.ADAPTER_ADMIN, AdapterAdminRequest.decode, self.adapter_admin,
+            Endpoint(subjects.FINGERPRINT, self.admit, span="kite.fingerprinter.admit"),
+            Endpoint(subjects.ADAPTER_ADMIN, self.adapter_admin,
                      refuse=lambda error: AdapterAdminReply(service="fingerprinter", instance_id=self.rt.instance_id,
                                                             ok=False, error=error)),
             *self.router.endpoints())

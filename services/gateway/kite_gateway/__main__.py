@@ -30,7 +30,7 @@ async def start_gateway(rt: ServiceRuntime, cfg: GatewayConfig) -> GenerationCli
     async def on_heartbeat(beat: Heartbeat) -> None:
         fleet.observe(beat)
 
-    await rt.serve(Endpoint(subjects.HEARTBEAT_WILDCARD, Heartbeat.decode, on_heartbeat))
+    await rt.serve(Endpoint(subjects.HEARTBEAT_WILDCARD, on_heartbeat))
     client = GenerationClient(nc=rt.nc, fleet=fleet, gateway_id=rt.instance_id.replace(".", "_"),
                               admit_timeout_s=cfg.admit_timeout_s,
                               stream_idle_timeout_s=cfg.stream_idle_timeout_s,

@@ -79,7 +79,7 @@ class GatewayControl:
         self.gate = AdmissionGate(self.stats)
 
     async def start(self, rt: ServiceRuntime, telemetry_interval_s: float) -> None:
-        await rt.serve(Endpoint(subjects.DECISIONS, Decision.decode, self.on_decision))
+        await rt.serve(Endpoint(subjects.DECISIONS, self.on_decision))
         rt.publish_every(telemetry_interval_s, subjects.telemetry("gateway"), self.telemetry)
 
     async def on_decision(self, d: Decision) -> None:

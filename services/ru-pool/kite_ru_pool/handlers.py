@@ -40,8 +40,8 @@ from prometheus_client import Histogram
 from kite_shared import security, subjects
 from kite_shared.endpoints import Endpoint
 from kite_shared.messages import (
-    BLOCK_EVENT, BlockRemoved, BlockStored, Decision, Heartbeat, ModelFingerprintChanged, PoolAdminReply,
-    PoolAdminRequest, PoolGetReply, PoolGetRequest, PoolLookupReply, PoolLookupRequest, ShadowCheckResult,
+    BlockRemoved, BlockStored, Decision, Heartbeat, ModelFingerprintChanged, PoolAdminReply, PoolGetReply,
+    PoolGetRequest, PoolLookupReply, PoolLookupRequest, ShadowCheckResult,
 )
 from kite_shared.tiers import metrics
 from kite_shared.tiers.block_stream import BlockStreamServer
@@ -94,7 +94,7 @@ class PoolHandlers:
 
     def shared_endpoints(self) -> list[Endpoint]:
         """Puts, lookups, gets and admin on the `ru-pool` queue group: one replica answers each."""
-        return self._block_path(subjects.RU_POOL_QUEUE, {op: subject for op, subject in (
+        return self._block_path({op: subject for op, subject in (
             ("put", subjects.POOL_PUT), ("lookup", subjects.POOL_LOOKUP), ("get", subjects.POOL_GET),
             ("admin", subjects.POOL_ADMIN))})
 
@@ -102,24 +102,20 @@ class PoolHandlers:
         """What reaches every replica: worker events, heartbeats and fingerprints; and this replica's own
         put, lookup, get and admin subjects."""
         return [
-            Endpoint(subjects.POOL_BLOCK_EVENTS, BLOCK_EVENT.decode, self.block_event),
-            Endpoint(subjects.MODEL_FINGERPRINT, ModelFingerprintChanged.decode, self.model_fingerprint),
-            Endpoint(subjects.heartbeat("worker"), Heartbeat.decode, self.worker_heartbeat),
-            Endpoint(subjects.DECISIONS, Decision.decode, self.decision),
-            Endpoint(subjects.SHADOW_RESULTS, ShadowCheckResult.decode, self.shadow_result),
-        ] + self._block_path("", {op: subjects.pool_replica(self.instance_id, op)
-                                  for op in subjects.POOL_REPLICA_OPS})
+            Endpoint(subjects.POOL_BLOCK_EVENTS, self.block_event),
+            Endpoint(subjects.MODEL_FINGERPRINT, self.model_fingerprint),
+            Endpoint(subjects.heartbeat("worker"), self.worker_heartbeat),
+            Endpoint(subjects.DECISIONS, self.decision),
+            Endpoint(subjects.SHADOW_RESULTS, self.shadow_result),
+        ] + self._block_path({op: subjects.pool_replica(self.instance_id, op) for op in subjects.POOL_REPLICA_OPS})
 
-    def _block_path(self, queue: str, subject: dict[str, str]) -> list[Endpoint]:
+    def _block_path(self, subject: dict[str, str]) -> list[Endpoint]:
         return [
-            Endpoint(subject["put"], bytes, self.put, queue=queue),
-            TimedEndpoint(subject["lookup"], PoolLookupRequest.decode, self.lookup,
-                          refuse=lambda error: PoolLookupReply(error=error), queue=queue,
-                          span="kite.ru_pool.lookup", seconds=metrics.POOL_LOOKUP_SECONDS),
-            Endpoint(subject["get"], PoolGetRequest.decode, self.get,
-                     refuse=lambda error: PoolGetReply(error=error), queue=queue, span="kite.ru_pool.get"),
-            Endpoint(subject["admin"], PoolAdminRequest.decode, self.admin.handle,
-                     refuse=lambda error: PoolAdminReply(ok=False, error=error), queue=queue),
+            Endpoint(subject["put"], self.put),
+            TimedEndpoint(subject["lookup"], self.lookup, span="kite.ru_pool.lookup",
+                          seconds=metrics.POOL_LOOKUP_SECONDS),
+            Endpoint(subject["get"], self.get, span="kite.ru_pool.get"),
+            Endpoint(subject["admin"], self.admin.handle),
         ]
 
     # --- the block path ---------------------------------------------------------------------------------

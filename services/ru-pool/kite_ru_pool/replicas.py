@@ -85,14 +85,13 @@ class Replicas:
     def endpoints(self) -> list[Endpoint]:
         """Served from the start: the others' index changes and heartbeats."""
         return [
-            Endpoint(subjects.POOL_INDEX_CHANGES, PoolIndexChanges.decode, self.on_changes),
-            Endpoint(subjects.heartbeat("ru-pool"), Heartbeat.decode, self.on_heartbeat),
+            Endpoint(subjects.POOL_INDEX_CHANGES, self.on_changes),
+            Endpoint(subjects.heartbeat("ru-pool"), self.on_heartbeat),
         ]
 
     def snapshot_endpoint(self) -> Endpoint:
         """Served once this replica's own worker caches are whole (after `fetch_worker_caches`)."""
-        return Endpoint(subjects.POOL_WORKER_CACHES, WorkerCachesRequest.decode, self.worker_caches,
-                        refuse=lambda error: WorkerCachesReply(error=error), queue=subjects.RU_POOL_QUEUE)
+        return Endpoint(subjects.POOL_WORKER_CACHES, self.worker_caches)
 
     # --- index changes --------------------------------------------------------------------------------------
     def _schedule_flush(self) -> None:

@@ -18,7 +18,6 @@ from kite_shared import adapters, model_store, subjects
 from kite_shared.adapter_store import load_stored_adapters
 from kite_shared.config import CommonConfig, ConfigError, ModelConfig, WorkerConfig, default_instance_id, load
 from kite_shared.endpoints import Endpoint
-from kite_shared.messages import AdapterAdminRequest, Admission, Cancel, Decision, ErrorInfo, TokenizedRequest
 from kite_shared.service import ServiceRuntime, exit_on_signal_until_connected, run_service
 from kite_worker import codec_guard
 from kite_worker.block_cache import BlockCache
@@ -57,26 +56,21 @@ def load_engine(model_cfg: ModelConfig, worker_cfg: WorkerConfig, instance_id: s
     return LoadedModel(local, identity, engine, served_adapters, load_adapter)
 
 
-def refused(error: ErrorInfo) -> Admission:
-    return Admission(accepted=False, error=error)
-
-
 async def start_worker(rt: ServiceRuntime, loaded: LoadedModel, cfg: WorkerConfig) -> WorkerService:
     """The worker's handler table: what it answers, what it runs until shutdown, how it drains."""
     worker = WorkerService(rt, loaded, cfg)
     rt.set_heartbeat_fields(worker.heartbeat_fields)  # from the next beat on: the model and its window
     await worker.start()  # the engine runs; the ru-pool hears that this worker's cache is empty
     await rt.serve(
-        Endpoint(subjects.WORKER_CANCEL, Cancel.decode, worker.cancel),
-        Endpoint(subjects.DECISIONS, Decision.decode, worker.control.on_decision),
-        Endpoint(subjects.ADAPTER_ADMIN, AdapterAdminRequest.decode, worker.adapter_admin, refuse=worker.adapter_reply),
+        Endpoint(subjects.WORKER_CANCEL, worker.cancel),
+        Endpoint(subjects.DECISIONS, worker.control.on_decision),
+        Endpoint(subjects.ADAPTER_ADMIN, worker.adapter_admin, refuse=worker.adapter_reply),
     )
     # Subscribed while the worker takes requests: not on standby, not draining (WorkerService.join/leave).
     worker.take_requests_on(
-        Endpoint(subjects.WORKER_GENERATE, TokenizedRequest.decode, worker.generate, refuse=refused,
-                 queue=subjects.WORKER_QUEUE, span="kite.worker.admit"),
-        Endpoint(subjects.worker_generate(rt.instance_id), TokenizedRequest.decode, worker.generate,
-                 refuse=refused, span="kite.worker.admit", name="kite.v1.worker.<instance>.generate"),
+        Endpoint(subjects.WORKER_GENERATE, worker.generate, span="kite.worker.admit"),
+        Endpoint(subjects.worker_generate(rt.instance_id), worker.generate, span="kite.worker.admit",
+                 name="kite.v1.worker.<instance>.generate"),
     )
     # Rounds that wait for their own work (a message due, a stream event, a block), run until shutdown.
     rt.every(0, worker.control.publish_when_due, "worker telemetry")

@@ -6,8 +6,8 @@
     control   heartbeats and pings, telemetry, arbitrator decisions and admin
 
 Import from here (`from kite_shared.messages import TokenizedRequest`); the submodules only keep the file
-sizes readable. Subject names live in `kite_shared.subjects`. Recyclable units (KV blocks) are not messages:
-they have their own binary format in `recyclable_unit`.
+sizes readable. Subject names, and which message each subject carries, live in `kite_shared.subjects`.
+Recyclable units (KV blocks) are not messages: they have their own binary format in `recyclable_unit`.
 """
 
 from kite_shared.messages.base import (  # noqa: F401

@@ -1,19 +1,7 @@
 """The control plane: liveness (heartbeats, pings), telemetry, arbitrator decisions and admin.
 
-    every service -> kite.v1.heartbeat.<service>      Heartbeat         every KITE_HEARTBEAT_INTERVAL_S
-    every service -> kite.v1.ping.<service>           Ping -> Pong
-    worker        -> kite.v1.telemetry.worker         WorkerTelemetry   every KITE_TELEMETRY_INTERVAL_S and
-                                                                        at once on a significant change
-    ru-pool       -> kite.v1.telemetry.ru-pool        PoolTelemetry     every KITE_TELEMETRY_INTERVAL_S
-    gateway       -> kite.v1.telemetry.gateway        GatewayTelemetry  every KITE_TELEMETRY_INTERVAL_S
-    fingerprinter -> kite.v1.telemetry.fingerprinter  FingerprinterTelemetry  every KITE_TELEMETRY_INTERVAL_S
-    arbitrator    -> kite.v1.telemetry.arbitrator     ArbitratorTelemetry     every KITE_TELEMETRY_INTERVAL_S
-    arbitrator    -> kite.v1.arbitrator.decisions     Decision          on every change (and a periodic
-                                                                        refresh of the current ones)
-    worker        -> kite.v1.shadow.results           ShadowCheckResult after each shadow verification
-    admin tools   -> kite.v1.arbitrator.admin         ArbitratorAdminRequest -> ArbitratorAdminReply
-    admin tools   -> kite.v1.adapters.admin           AdapterAdminRequest -> AdapterAdminReply from every
-                                                      fingerprinter and worker (scatter-gather)
+Which subject carries each message, who sends it to whom and when: kite_shared.subjects.TABLE
+(docs/subjects.md).
 
 `TELEMETRY_SCHEMA` is bumped when a telemetry or decision field changes meaning; such messages of another
 schema fail to decode (MessageError), so receivers ignore them.

@@ -1,9 +1,11 @@
 """The request path: gateway -> fingerprinter -> worker, and the stream of tokens back to the gateway.
 
-    gateway       -> kite.v1.fingerprint                GenerateRequest    -> Admission
-    fingerprinter -> kite.v1.worker.generate[.<id>]     TokenizedRequest   -> Admission
-    gateway       -> kite.v1.worker.cancel              Cancel
-    worker        -> the request's stream_subject       STREAM_EVENT (TokenChunk..., StreamEnd | StreamError)
+    gateway       -> fingerprinter   GenerateRequest    -> Admission
+    fingerprinter -> a worker        TokenizedRequest   -> Admission
+    gateway       -> every worker    Cancel
+    worker        -> the gateway     STREAM_EVENT (TokenChunk..., StreamEnd | StreamError)
+
+Which subject carries each: kite_shared.subjects.TABLE.
 """
 
 from __future__ import annotations
