@@ -60,8 +60,8 @@ TELEMETRY_S = 0.5
 TAKEOVER_BOUND_S = LEASE_S + LEASE_S / 3 + TELEMETRY_S + 1.5
 HITS_RESUME_S = 5.0  # the acceptance bound: hits resume within 5 s of the kill
 BLOCK_TOKENS = load(ModelConfig).block_size
-# One block of SmolLM2-135M's KV in float16: 30 layers x (K, V) x 3 KV heads x block x 64 dims x 2 bytes.
-BLOCK_BYTES = 30 * 2 * 3 * BLOCK_TOKENS * 64 * 2
+# One block of SmolLM2-135M's KV in float32, stored by default: 30 layers x (K, V) x 3 KV heads x block x 64 dims x 4 B.
+BLOCK_BYTES = 30 * 2 * 3 * BLOCK_TOKENS * 64 * 4
 CACHE_BLOCKS = 24
 CONCURRENCY = 4
 # Salted rounds of the 8 prompts: each request of the load is the first of its kind. Enough that the load

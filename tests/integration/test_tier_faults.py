@@ -54,8 +54,8 @@ pytestmark = pytest.mark.timeout(900)  # the module's stack starts inside the fi
 
 BLOCK_TOKENS = 16
 # One block of SmolLM2-135M's KV in the worker cache: 30 layers x (K, V) x 3 KV heads x 16 tokens x 64
-# dims x 2 bytes (float16 storage).
-BLOCK_BYTES = 30 * 2 * 3 * BLOCK_TOKENS * 64 * 2
+# dims x 4 bytes (stored in the compute dtype, float32, by default).
+BLOCK_BYTES = 30 * 2 * 3 * BLOCK_TOKENS * 64 * 4
 CACHE_BLOCKS = 20
 PROMPT_FACTS = 10  # ~235-270 tokens (the tag tokenizes variously): 14-16 blocks, fits the cache
 FLUSH_FACTS = 18  # ~415-455 tokens: 26-28 blocks, more than the cache: evicts everything computed before
@@ -446,7 +446,7 @@ async def test_the_loader_measures_concurrent_reads_as_one_fetch(tmp_path):
     their bytes over the fetch's wall time, not 16 samples of one block over nearly that whole time
     (which would make the tier look ~16 times slower and stop the loader from ever using it again)."""
     fp = hashlib.sha256(b"loader-measurement").hexdigest()
-    shape = (30, 2, 3, BLOCK_TOKENS, 64)  # a real SmolLM2 block: 368,640 bytes of fp16
+    shape = (30, 2, 3, BLOCK_TOKENS, 64)  # a real SmolLM2 block: 737,280 bytes of fp32
     server = start_redis(log_file=tmp_path / "redis-server.log")
     client = TierClient(RedisTier(f"redis://127.0.0.1:{server.port}/0", timeout_s=5.0), None)
     try:
@@ -454,13 +454,13 @@ async def test_the_loader_measures_concurrent_reads_as_one_fetch(tmp_path):
         for i in range(16):
             block_hash = hashlib.sha256(f"{fp}/{i}".encode()).digest()
             unit = RecyclableUnit(block_hash=block_hash, parent_hash=b"\0" * 32, model_fingerprint=fp,
-                                  block_index=i, num_tokens=BLOCK_TOKENS, codec="fp16", shape=shape,
+                                  block_index=i, num_tokens=BLOCK_TOKENS, codec="fp32", shape=shape,
                                   payload=bytes(BLOCK_BYTES))
             assert await client.warm.put(BlockKey.of(fp, block_hash), unit.encode())
             hashes.append(block_hash)
         seed = 1.0  # bytes/s: after one fetch the estimate is ~ the weight (0.2) x that fetch's sample
         cost = CostModel(BLOCK_TOKENS, BLOCK_BYTES, tiers={"w": TierEstimate(0.001, seed)})
-        loader = PoolLoader(None, client, cost, fp, shape, torch.float16, mac_key=None)
+        loader = PoolLoader(None, client, cost, fp, shape, torch.float32, mac_key=None)
         started = time.perf_counter()
         units = await loader._fetch(hashes, b"w" * 16, ANONYMOUS_TENANT, fp)
         wall = time.perf_counter() - started
