@@ -279,7 +279,7 @@ async def test_ru_pool_rebuilds_its_index_from_the_cluster_and_clears_it(redis_c
         for _, data in units:
             assert await client.put(data)
         await nc.flush()
-        await wait_for(lambda: all(pool.core.tiers_of(BlockKey.of(fp, h)) for h in hashes), "puts")
+        await wait_for(lambda: all(pool.core.index.tiers_of(BlockKey.of(fp, h)) for h in hashes), "puts")
         await pool.drain_background()
         assert sum(node_sizes(redis_cluster)) == 40 and all(n > 0 for n in node_sizes(redis_cluster))
         await stop_pool(pool)

@@ -19,7 +19,7 @@ import torch
 
 from kite_cli import pool_admin
 from kite_cli.local_servers import free_port, start_redis
-from kite_ru_pool.core import COLD
+from kite_ru_pool.index import COLD
 from kite_ru_pool.service import PoolService
 from kite_shared import subjects
 from kite_shared.config import RuPoolConfig, TierConfig, load
@@ -119,8 +119,9 @@ class Pools:
         await pool.start()
         # A lone pool serves the queue group and leads the maintenance (sweeps, resyncs) once ready; the
         # tests below count on both. Generous bounds: a loaded 2-core CI machine.
-        await wait_for(lambda: not pool.rebuilding and pool.serving, timeout_s=15.0, what="the pool serving")
-        await wait_for(lambda: pool.replicas.leading(), timeout_s=15.0, what="the pool holding the maintenance lease")
+        await wait_for(lambda: not pool.rebuilding and pool.peers.serving, timeout_s=15.0, what="the pool serving")
+        await wait_for(lambda: pool.core.maintenance.leading(), timeout_s=15.0,
+                       what="the pool holding the maintenance lease")
         # Ready as a client sees it: the queue group answers a request from another connection (as the
         # process tests' wait_ready). Right after start a request was once answered "no responders".
         await wait_for(lambda: self._answers(nc), timeout_s=15.0, what="the pool answering on its queue group")
@@ -169,7 +170,7 @@ async def put_chain(client: PoolClient, pool: PoolService, chain, warm: bool = T
         assert await client.put(data)
     await client.nc.flush()
     fp = decode(chain[0][1], key=ru_key()).model_fingerprint
-    await wait_for(lambda: all(pool.core.tiers_of(BlockKey.of(fp, h)) for h, _ in chain), what="puts")
+    await wait_for(lambda: all(pool.core.index.tiers_of(BlockKey.of(fp, h)) for h, _ in chain), what="puts")
     if warm:
         await pool.drain_background()
 
@@ -262,7 +263,7 @@ async def test_a_damaged_hot_file_is_a_miss_from_that_block_on(pools, client):
     chain = make_chain(fp, 4)
     await put_chain(client, pool, chain)
     hashes = [h for h, _ in chain]
-    flip_last_byte(pool.io.hot_files.lent_path(pool.core.hot.peek(BlockKey.of(fp, hashes[2]))))
+    flip_last_byte(pool.core.io.hot_files.lent_path(pool.core.io.hot.peek(BlockKey.of(fp, hashes[2]))))
     loader = same_host_loader(client, fp)
     loaded = await loader.load(hashes, num_local=0)
     assert [h for h, _ in loaded] == hashes[:2]  # the damaged block and what follows are computed
@@ -282,7 +283,7 @@ async def test_blocks_fetched_again_come_from_kept_mappings_and_are_still_verifi
     assert again == [d for _, d in chain]
     assert [u.obj for u in again] == [u.obj for u in first]  # nothing mapped the second time
     assert (client.kept.num_mapped, client.kept.num_hits) == (4, 4)
-    path = pool.io.hot_files.lent_path(pool.core.hot.peek(BlockKey.of(fp, hashes[2])))
+    path = pool.core.io.hot_files.lent_path(pool.core.io.hot.peek(BlockKey.of(fp, hashes[2])))
     flip_last_byte(path)  # damaged in place after the reader mapped it: its mapping shows it
     loader = same_host_loader(client, fp)
     loaded = await loader.load(hashes, num_local=0)
@@ -389,7 +390,7 @@ async def test_a_reader_that_cannot_see_the_handoff_folder_falls_back_to_inline_
     chain = make_chain(fp, 3)
     await put_chain(client, pool, chain)
     # As if the reader were in a container without the pool's folder: the paths it is lent lead nowhere.
-    pool.io.hot_files.lent_path = lambda data: "/nonexistent-kite-pool/0.hot"
+    pool.core.io.hot_files.lent_path = lambda data: "/nonexistent-kite-pool/0.hot"
     assert await client.get(fp, [h for h, _ in chain]) == [d for _, d in chain]
     assert client.handoff is False  # and stays inline: one extra round trip, once
 
@@ -449,7 +450,7 @@ async def test_index_survives_a_pool_restart(pools, client, env):
     pool = await pools.start()  # fresh core: Redis stays up
     hashes = [h for h, _ in chain]
     # Indexed at start, or, if Redis did not answer in time then, as soon as the warm tier is back.
-    await wait_for(lambda: pool.warm.up and pool.core.num_blocks() == 4, timeout_s=15.0, what="warm indexed")
+    await wait_for(lambda: pool.warm.up and pool.core.index.num_blocks() == 4, timeout_s=15.0, what="warm indexed")
     r = await client.lookup(fp, hashes)
     assert (r.hot, r.warm, r.pool) == (0, 4, 4)
     assert await client.get(fp, hashes) == [d for _, d in chain]
@@ -576,7 +577,8 @@ async def test_redis_outage_keeps_the_pool_answering_and_warm_resumes(pools, cli
         assert (r.hot, r.warm) == (4, 4)
         chain2 = make_chain(new_fp(), 1)
         await put_chain(client, pool, chain2)
-        assert pool.core.tiers_of(BlockKey.of(decode(chain2[0][1], key=ru_key()).model_fingerprint, chain2[0][0])) & 2
+        assert pool.core.index.tiers_of(
+            BlockKey.of(decode(chain2[0][1], key=ru_key()).model_fingerprint, chain2[0][0])) & 2
     finally:
         server.stop()
 
@@ -597,14 +599,14 @@ async def test_new_fingerprint_means_old_blocks_are_never_served_and_are_purged(
     assert (await client.lookup(old, hashes)).pool == 4
     await client.model_fingerprint_changed(name, new)
     await client.nc.flush()
-    await wait_for(lambda: pool.core.is_invalidated(old), what="invalidation")
+    await wait_for(lambda: pool.core.catalog.is_invalidated(old), what="invalidation")
     r = await client.lookup(old, hashes)
     assert r.invalidated and r.pool == 0
     assert await client.get(old, hashes) == []
     await client.put(chain[0][1])  # a stale worker still sending old blocks
     await client.nc.flush()
     await wait_for(lambda: pool.core.counters.refused_invalidated == 1, what="refused put")
-    await wait_for(lambda: not pool.core.pending_purges, what="purge")
+    await wait_for(lambda: not pool.core.index.pending_purges, what="purge")
     assert env_keys(env, old) == 0
     assert [s async for s in pool.cold.iter_keys(BlockKey.of(old, b"0" * 32).model_tag)] == []
 
@@ -663,7 +665,7 @@ async def test_lookup_latency_under_load(pools, client):
     fp = new_fp()
     hashes = [hashlib.sha256(i.to_bytes(4, "big")).digest() for i in range(128)]
     for h in hashes:
-        pool.core.note_stored(BlockKey.of(fp, h), 2, 369_000, now=time.time())
+        pool.core.index.note_stored(BlockKey.of(fp, h), 2, 369_000, now=time.time())
     latencies = []
     for _ in range(300):
         started = time.perf_counter()
@@ -691,7 +693,7 @@ async def test_tenant_quota_evicts_the_tenants_own_oldest_blocks_from_warm_and_c
     await put_chain(client, pool, other)
     for h, data in old:  # copy acme's blocks to cold too, as archival would
         assert await pool.cold.put(BlockKey.of(fp, h, tenant_tag("acme")), data)
-        pool.core.note_stored(BlockKey.of(fp, h, tenant_tag("acme")), COLD, len(data), pool.clock())
+        pool.core.index.note_stored(BlockKey.of(fp, h, tenant_tag("acme")), COLD, len(data), pool.clock())
     await asyncio.sleep(1.1)  # the next chain is more recent at the quota's one-second grain
     new = make_chain(new_fp(), 3, tenant="acme")
     for block in new:  # one at a time: with no hot tier a block counts once its warm write lands
@@ -721,7 +723,7 @@ async def test_tenant_usage_is_rebuilt_from_key_listings_after_a_restart(pools, 
     await put_chain(client, pool, make_chain(new_fp(), 2, tenant="beta"))
     await pools.stop(pool)
     pool = await pools.start(hot_bytes=0)
-    usage = pool.core.tenant_usage()
+    usage = pool.core.tenants.usage()
     assert len(usage[tenant_tag("acme")].blocks) == 3 and len(usage[tenant_tag("beta")].blocks) == 2
     assert usage[tenant_tag("acme")].num_bytes == 3 * UNIT_BYTES
 
@@ -748,7 +750,7 @@ async def test_clear_by_tenant_deletes_only_that_tenants_blocks_everywhere(pools
     assert (await client.lookup(fp, [h for h, _ in mine])).pool == 0
     assert (await client.lookup(fp, [h for h, _ in theirs])).pool == 3
     assert await client.get(fp, [h for h, _ in theirs], tenant="beta") == [d for _, d in theirs]
-    assert not pool.core.pending_tenant_purges
+    assert not pool.core.index.pending_tenant_purges
     rc = await asyncio.to_thread(pool_admin.main, ["--nats-url", env.nats_url, "stats", "--tenant", "acme"])
     assert rc == 0 and '"blocks": 0' in capsys.readouterr().out
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kite_ru_pool.core import COLD
+from kite_ru_pool.index import COLD
 from kite_ru_pool.maintenance import SWEEP_STEP_ENTRIES
 from kite_ru_pool.telemetry import pool_telemetry
 from kite_shared.tiers.keys import BlockKey
@@ -19,7 +19,7 @@ async def test_sweep_walks_the_index_in_slices_and_telemetry_reuses_its_totals(p
     n = 5 * SWEEP_STEP_ENTRIES + 1
     now = pool.clock()
     for i in range(n):  # recently hit cold-only blocks, no cold TTL: the sweep decides nothing
-        pool.core.note_stored(BlockKey.of(fp, i.to_bytes(32, "big")), COLD, 100, now)
+        pool.core.index.note_stored(BlockKey.of(fp, i.to_bytes(32, "big")), COLD, 100, now)
 
     turns = 0
 
@@ -36,7 +36,7 @@ async def test_sweep_walks_the_index_in_slices_and_telemetry_reuses_its_totals(p
     assert turns >= 5  # the walk let the loop run at least once per slice
 
     assert pool.stats(exact_totals=False).tiers["cold"].blocks == n
-    pool.core.note_stored(BlockKey.of(fp, b"\xff" * 32), COLD, 100, now)
+    pool.core.index.note_stored(BlockKey.of(fp, b"\xff" * 32), COLD, 100, now)
     assert pool.stats(exact_totals=False).tiers["cold"].blocks == n  # as of the last sweep
     assert pool.stats().tiers["cold"].blocks == n + 1  # the admin request still counts exactly
     await pool.sweep_once()

@@ -1,5 +1,5 @@
 """The ru-pool's handler table without a bus (kite_ru_pool.handlers through Endpoint.answer), over a
-hot-only pool built from its parts (core, tier_io, maintenance, admin): what each subject answers, and
+hot-only pool built from its parts (core.PoolCore, admin): what each subject answers, and
 errors the framework's way (`invalid_message`, `internal_error`, an admin refusal's `bad_request`). The
 same over a real nats-server, Redis and S3: tests/integration/test_ru_pool_service.py."""
 
@@ -11,18 +11,15 @@ import hashlib
 import pytest
 
 from kite_ru_pool.admin import PoolAdmin
-from kite_ru_pool.background import BackgroundTasks
-from kite_ru_pool.core import HOT, PoolCore
+from kite_ru_pool.core import PoolCore
 from kite_ru_pool.handlers import PoolHandlers
-from kite_ru_pool.maintenance import Maintenance
-from kite_ru_pool.tier_io import TierIO
+from kite_ru_pool.index import HOT
 from kite_shared import subjects
 from kite_shared.messages import (
     BlockRemoved, BlockStored, Decision, Heartbeat, ModelFingerprintChanged, PoolAdminReply, PoolAdminRequest,
     PoolGetReply, PoolGetRequest, PoolLookupReply, PoolLookupRequest, ShadowCheckResult,
 )
 from kite_shared.recyclable_unit import RecyclableUnit
-from kite_shared.tiers.client import TierClient
 from kite_shared.tiers.keys import BlockKey, model_tag
 
 KEY = b"k" * 32
@@ -52,13 +49,9 @@ class Pool:
 
     def __init__(self) -> None:
         self.core = PoolCore(hot_bytes=1 << 20, archive_after_s=100.0, warm_ttl_s=60.0, cold_ttl_s=0.0,
-                             sweep_interval_s=1.0, has_warm=False, has_cold=False)
-        self.background = BackgroundTasks()
-        tiers = TierClient(None, None)
-        self.io = TierIO(self.core, tiers, KEY, lambda: NOW, self.background)
-        self.maintenance = Maintenance(self.core, self.io, tiers, lambda: NOW, self.background, 1.0)
-        admin = PoolAdmin(self.core, self.io, self.maintenance)
-        handlers = PoolHandlers(self.core, self.io, admin, self.maintenance, Bus(), None, "host", lambda: NOW)
+                             sweep_interval_s=1.0, has_warm=False, has_cold=False, ru_key=KEY, clock=lambda: NOW)
+        self.background = self.core.background
+        handlers = PoolHandlers(self.core, PoolAdmin(self.core), Bus(), None, "host", lambda: NOW)
         self.endpoints = {ep.subject: ep for ep in handlers.endpoints()}
 
     async def ask(self, subject: str, data: bytes):
@@ -75,7 +68,7 @@ async def test_puts_then_lookups_and_gets_of_the_hot_tier():
     for _, unit in blocks:
         assert await pool.ask(subjects.POOL_PUT, unit) is None  # raw bytes, no reply
     hashes = [h for h, _ in blocks]
-    assert all(pool.core.tiers_of(BlockKey.of(FP, h)) == HOT for h in hashes)
+    assert all(pool.core.index.tiers_of(BlockKey.of(FP, h)) == HOT for h in hashes)
     reply = await pool.ask(subjects.POOL_LOOKUP, lookup(FP, hashes + [b"\0" * 32]))
     assert isinstance(reply, PoolLookupReply) and (reply.hot, reply.pool, reply.tiers) == (3, 3, b"hhh")
     reply = await pool.ask(subjects.POOL_GET,
@@ -114,7 +107,7 @@ async def test_a_handler_bug_is_answered_internal_error_and_the_endpoint_goes_on
     def broken(*args, **kwargs):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(pool.core, "lookup", broken)
+    monkeypatch.setattr(pool.core.reads, "lookup", broken)
     reply = await pool.ask(subjects.POOL_LOOKUP, lookup(FP, [b"\1" * 32]))
     assert reply.error.code == "internal_error" and "a bug" not in reply.error.message
     assert "KeyError" in caplog.text
@@ -149,7 +142,7 @@ async def test_a_new_fingerprint_invalidates_the_old_and_its_purge_runs_in_the_b
                          PoolGetRequest(model_fingerprint=FP, block_hashes=[blocks[0][0]]).encode())
     assert get.error.code == "invalidated" and get.units == []
     await asyncio.wait_for(pool.background.drain(), 5)
-    assert model_tag(FP) not in pool.core.pending_purges  # no remote tier: nothing left to purge
+    assert model_tag(FP) not in pool.core.index.pending_purges  # no remote tier: nothing left to purge
 
 
 @pytest.mark.parametrize("op", ["pin", "evict"])
@@ -161,8 +154,8 @@ async def test_pins_and_evictions_of_hot_blocks(op):
     req = PoolAdminRequest(op=op, model_fingerprint=FP, block_hashes=[h for h, _ in blocks])
     reply = await pool.ask(subjects.POOL_ADMIN, req.encode())
     assert reply.ok and reply.affected == 2
-    assert pool.core.is_pinned(BlockKey.of(FP, blocks[0][0])) == (op == "pin")
-    assert pool.core.num_blocks() == (2 if op == "pin" else 0)
+    assert pool.core.index.is_pinned(BlockKey.of(FP, blocks[0][0])) == (op == "pin")
+    assert pool.core.index.num_blocks() == (2 if op == "pin" else 0)
 
 
 def quarantine(quarantined: bool, fp: str = FP) -> bytes:
@@ -189,11 +182,11 @@ async def test_a_quarantined_namespace_is_a_miss_refuses_puts_and_is_purged_unti
     await pool.ask(subjects.SHADOW_RESULTS, shadow(True))
     await pool.ask(subjects.DECISIONS, quarantine(True))
     assert (await pool.ask(subjects.POOL_LOOKUP, lookup(FP, hashes))).invalidated
-    assert pool.core.num_blocks() == 2  # the other namespace keeps its blocks
+    assert pool.core.index.num_blocks() == 2  # the other namespace keeps its blocks
     await pool.ask(subjects.POOL_PUT, blocks[0][1])
     assert pool.core.counters.refused_invalidated == 1
     await asyncio.wait_for(pool.background.drain(), 5)
-    assert model_tag(FP) not in pool.core.pending_purges
+    assert model_tag(FP) not in pool.core.index.pending_purges
     # The fingerprinter announcing the namespace again (a restart) does not lift it; an operator does.
     await pool.ask(subjects.MODEL_FINGERPRINT, ModelFingerprintChanged(model_name="m:alpha",
                                                                        model_fingerprint=FP).encode())

@@ -1,23 +1,22 @@
 """What ru-pool replicas tell each other, without a bus (kite_ru_pool.index_changes, the worker-cache
-snapshot in worker_caches / core): the change log's grouping and batches, a receiving core applying them,
-and a joining replica's worker caches from a snapshot plus the events that came meanwhile. The same over
-real processes, NATS and Redis: tests/integration/test_ru_pool_replicas.py."""
+snapshot in worker_caches): the change log's grouping and batches, and what one bus-less replica's admin
+does reaching another's hot tier; the pages of a worker-cache snapshot. A receiving pool applying the
+changes: test_ru_pool_catalog.py; the events a joining replica holds meanwhile:
+test_ru_pool_worker_events.py. The same over real processes, NATS and Redis:
+tests/integration/test_ru_pool_replicas.py."""
 
 from __future__ import annotations
 
 import hashlib
 
 from kite_ru_pool.admin import PoolAdmin
-from kite_ru_pool.background import BackgroundTasks
-from kite_ru_pool.core import ALL_TAGS, COLD, HOT, WARM, PoolCore
-from kite_ru_pool.index_changes import IndexChangeLog, apply_changes
-from kite_ru_pool.maintenance import Maintenance
-from kite_ru_pool.tier_io import TierIO
+from kite_ru_pool.core import PoolCore
+from kite_ru_pool.index import COLD, WARM
+from kite_ru_pool.index_changes import IndexChangeLog
 from kite_ru_pool.worker_caches import WorkerCaches
 from kite_shared.messages import PoolAdminRequest, PoolIndexChanges
 from kite_shared.recyclable_unit import RecyclableUnit
 from kite_shared.security import ANONYMOUS_TENANT_TAG, tenant_tag
-from kite_shared.tiers.client import TierClient
 from kite_shared.tiers.keys import BlockKey, model_tag
 
 FP = "66" * 32
@@ -35,25 +34,19 @@ def key(i: int, fp: str = FP, tenant: str = ANONYMOUS_TENANT_TAG) -> BlockKey:
     return BlockKey.of(fp, h(i), tenant)
 
 
-def new_core() -> PoolCore:
-    return PoolCore(hot_bytes=1 << 20, archive_after_s=100.0, warm_ttl_s=60.0, cold_ttl_s=0.0,
-                    sweep_interval_s=1.0, has_warm=True, has_cold=True)
-
-
 def send(log: IndexChangeLog, core: PoolCore, now: float = NOW) -> int:
     """Everything `log` holds, through the wire format, applied to `core`; how many messages."""
     batches = log.take()
     for seq, batch in enumerate(batches, 1):
         msg = PoolIndexChanges.decode(PoolIndexChanges(instance_id="a", seq=seq, changes=batch).encode())
-        apply_changes(core, msg.changes, now)
+        core.catalog.apply_changes(msg.changes, now)
     return len(batches)
 
 
 # --- the change log ------------------------------------------------------------------------------------------
 def test_consecutive_changes_of_one_kind_make_one_group_and_order_is_kept():
     log = IndexChangeLog()
-    calls = []
-    log.on_change = lambda: calls.append(1)
+    assert not log.pending.is_set()
     for i in range(100):  # one chain's write-throughs
         log.stored(key(i), WARM, 369_000, last_hit=NOW, depth=i)
     log.missing(key(0), WARM)
@@ -61,16 +54,16 @@ def test_consecutive_changes_of_one_kind_make_one_group_and_order_is_kept():
     log.missing(key(1), WARM)
     log.hits([key(2), key(3)], NOW + 1)
     log.hits([key(4)], NOW + 2)
-    assert calls == [1]  # the replica layer schedules one send for all of it
+    assert log.pending.is_set()  # the replica layer sends all of it at once
     [batch] = log.take()
     assert [(c.op, c.tier, len(c.block_hashes)) for c in batch] == [
         ("stored", "warm", 100), ("missing", "warm", 1), ("stored", "cold", 1), ("missing", "warm", 1),
         ("hit", "", 3)]
     assert batch[0].depths == list(range(100)) and batch[0].sizes == [369_000] * 100
     assert batch[-1].at == NOW + 2
-    assert len(log) == 0 and log.take() == []
+    assert len(log) == 0 and not log.pending.is_set() and log.take() == []
     log.renewed(key(5), NOW)
-    assert calls == [1, 1]  # a new change in an empty log: another send
+    assert log.pending.is_set()  # a new change in an empty log: another send
 
 
 def test_groups_split_by_model_tenant_and_a_large_one_over_several_messages():
@@ -96,76 +89,16 @@ def test_a_disabled_log_records_nothing():
 
 
 # --- applying them -----------------------------------------------------------------------------------------
-def test_a_receiver_applies_tier_changes_hits_renewals_and_pins():
-    log, b = IndexChangeLog(), new_core()
-    b.put_hot(key(9), b"x" * 10, NOW)  # b's own hot-only block: never in a change
-    log.stored(key(1), WARM, 100, last_hit=NOW - 50, depth=3)
-    log.stored(key(2), WARM, 100, last_hit=NOW)
-    log.stored(key(2), COLD, 100, last_hit=NOW)
-    log.missing(key(2), WARM)
-    log.renewed(key(1), NOW + 5)
-    log.hits([key(1)], NOW + 7)
-    log.pinned([key(2)])
-    send(log, b, now=NOW + 10)
-    e1, e2 = b.entry(key(1)), b.entry(key(2))
-    assert (e1.tiers, e1.size, e1.depth, e1.last_hit, e1.warm_touch) == (WARM, 100, 3, NOW + 7, NOW + 5)
-    assert e2.tiers == COLD and b.is_pinned(key(2))
-    assert b.tiers_of(key(9)) == HOT
-    assert b.lookup(FP, [h(1)]).warm == 1 and b.lookup(FP, [h(2)]).cold == 1
-    assert b.tenant_usage(ANONYMOUS_TENANT_TAG)[ANONYMOUS_TENANT_TAG].num_bytes == 210
-    log.unpinned([key(2)])
-    log.missing(key(2), COLD)
-    send(log, b)
-    assert not b.is_pinned(key(2)) and b.entry(key(2)) is None
-
-
-def test_dropped_blocks_leave_the_receivers_hot_tier_and_pins_too():
-    log, b = IndexChangeLog(), new_core()
-    b.put_hot(key(1), b"x" * 10, NOW)  # b had promoted it into its own hot tier
-    b.note_stored(key(1), WARM, 10, NOW)
-    b.pin(FP, [h(1)])
-    log.dropped([key(1), key(2)])  # key 2: unknown to b, nothing to do
-    send(log, b)
-    assert b.entry(key(1)) is None and b.hot_get(key(1), NOW) is None and not b.is_pinned(key(1))
-
-
-def test_clears_invalidations_and_their_purges_settle_on_the_receiver():
-    log, b = IndexChangeLog(), new_core()
-    for i in range(3):
-        b.note_stored(key(i), WARM, 10, NOW)
-    acme = tenant_tag("acme")
-    b.note_stored(key(7, tenant=acme), WARM, 10, NOW)
-    log.cleared(TAG, acme)
-    send(log, b)
-    assert b.entry(key(7, tenant=acme)) is None and b.entry(key(0)) is not None
-    assert b.pending_tenant_purges == {(TAG, acme)}
-    log.purged(TAG, acme)
-    log.cleared(TAG)
-    send(log, b)
-    assert b.pending_tenant_purges == set() and b.pending_purges == {TAG} and b.num_blocks() == 0
-    log.purged(TAG)
-    log.invalidated(model_tag(FP2))
-    log.stored(key(1, fp=FP2), WARM, 10, last_hit=NOW)  # an invalidated model's block is not indexed
-    send(log, b)
-    assert b.is_invalidated(FP2) and b.entry(key(1, fp=FP2)) is None
-    assert b.pending_purges == {model_tag(FP2)}
-    log.cleared(None)
-    log.purged(ALL_TAGS)
-    send(log, b)
-    assert ALL_TAGS not in b.pending_purges
 
 
 # --- two bus-less replicas: what one does through its tier I/O and admin, the other learns -------------------
 class Replica:
     def __init__(self) -> None:
-        self.core = PoolCore(hot_bytes=1 << 20, archive_after_s=100.0, warm_ttl_s=60.0, cold_ttl_s=0.0,
-                             sweep_interval_s=1.0, has_warm=False, has_cold=False)
         self.changes = IndexChangeLog()
-        background = BackgroundTasks()
-        tiers = TierClient(None, None)
-        self.io = TierIO(self.core, tiers, RU_KEY, lambda: NOW, background, self.changes)
-        maintenance = Maintenance(self.core, self.io, tiers, lambda: NOW, background, 1.0)
-        self.admin = PoolAdmin(self.core, self.io, maintenance)
+        self.core = PoolCore(hot_bytes=1 << 20, archive_after_s=100.0, warm_ttl_s=60.0, cold_ttl_s=0.0,
+                             sweep_interval_s=1.0, has_warm=False, has_cold=False, ru_key=RU_KEY,
+                             clock=lambda: NOW, changes=self.changes)
+        self.admin = PoolAdmin(self.core)
 
 
 def unit(i: int) -> bytes:
@@ -177,17 +110,17 @@ def unit(i: int) -> bytes:
 async def test_an_evict_pin_and_clear_through_one_replica_reach_the_others_hot_tier():
     a, b = Replica(), Replica()
     for i in range(4):
-        a.io.put_bytes(unit(i))
-        b.io.put_bytes(unit(i))  # both hold the chain in their own hot tiers
+        a.core.writes.put_bytes(unit(i))
+        b.core.writes.put_bytes(unit(i))  # both hold the chain in their own hot tiers
     assert len(a.changes) == 0  # hot-only puts are no one else's business
     await a.admin.handle(PoolAdminRequest(op="evict", model_fingerprint=FP, block_hashes=[h(3)]))
     await a.admin.handle(PoolAdminRequest(op="pin", model_fingerprint=FP, block_hashes=[h(0)]))
     send(a.changes, b.core)
-    assert b.core.lookup(FP, [h(i) for i in range(4)]).hot == 3 and b.core.is_pinned(key(0))
+    assert b.core.reads.lookup(FP, [h(i) for i in range(4)]).hot == 3 and b.core.index.is_pinned(key(0))
     await a.admin.handle(PoolAdminRequest(op="clear", model_fingerprint=FP))
     send(a.changes, b.core)
-    assert b.core.lookup(FP, [h(0)]).pool == 0 and b.core.num_blocks() == 0
-    assert b.core.pending_purges == set()  # a's purge finished (nothing stored) and said so
+    assert b.core.reads.lookup(FP, [h(0)]).pool == 0 and b.core.index.num_blocks() == 0
+    assert b.core.index.pending_purges == set()  # a's purge finished (nothing stored) and said so
 
 
 # --- worker caches: the snapshot a joining replica takes ------------------------------------------------------
@@ -209,47 +142,3 @@ def test_worker_caches_export_pages_of_whole_workers_and_cut_one_too_large_for_a
     chain = [h(i) for i in range(60)]
     assert copy.prefix_lengths(TAG, chain) == w.prefix_lengths(TAG, chain)
     assert copy.stale(NOW + 32, 30) == w.stale(NOW + 32, 30) == ["w0", "w1", "w2"]
-
-
-def test_events_held_while_the_snapshot_comes_are_replayed_after_it_when_it_lacks_them():
-    source, joiner = new_core(), new_core()
-    hashes = [h(i) for i in range(6)]
-    source.worker_stored("w1", FP, hashes[:3], seq=1, now=NOW)
-    source.worker_stored("w2", FP, hashes[:2], seq=1, now=NOW)
-    joiner.hold_worker_events()
-    # The joiner hears these while it asks; the source applied the first before its snapshot.
-    events = [("w1", hashes[3:5], 2), ("w1", hashes[5:], 3), ("w3", hashes[:1], 7)]
-    source.worker_stored(events[0][0], FP, events[0][1], seq=events[0][2], now=NOW)
-    snapshot, _ = source.workers.export("", 1 << 20)
-    for worker, blocks, seq in events:
-        joiner.worker_stored(worker, FP, blocks, seq=seq, now=NOW)
-    joiner.worker_removed("w2", FP, hashes[1:2], all_blocks=False, seq=2, now=NOW)
-    joiner.forget_worker("w9")  # a draining worker the snapshot does not know: harmless
-    assert joiner.lookup(FP, hashes).workers == {}  # nothing applied yet
-    assert joiner.install_worker_caches([s[:4] for s in snapshot]) == 4  # w1 seq 3, w3, w2's removal, w9
-    assert joiner.lookup(FP, hashes).workers == {"w1": 6, "w2": 1, "w3": 1}
-    assert joiner.counters.worker_event_gaps == 0
-    joiner.worker_stored("w2", FP, hashes[1:3], seq=3, now=NOW)  # flowing as usual again
-    assert joiner.lookup(FP, hashes).workers["w2"] == 3
-
-
-def test_without_a_snapshot_the_held_events_are_all_applied():
-    core = new_core()
-    core.hold_worker_events()
-    core.worker_stored("w1", FP, [h(0), h(1)], seq=5, now=NOW)
-    core.worker_alive("w1", NOW + 1)
-    assert core.install_worker_caches([]) == 2
-    assert core.lookup(FP, [h(0), h(1)]).workers == {"w1": 2}
-
-
-def test_a_joining_replica_takes_the_models_state_no_listing_holds():
-    source, joiner = new_core(), new_core()
-    source.model_fingerprint_changed("m", FP)
-    source.model_fingerprint_changed("m", FP2)  # FP is invalidated now
-    joiner.note_stored(key(1), WARM, 10, NOW)  # its rebuild listed a block of FP before the purge reached it
-    joiner.restore_models(*source.models_state())
-    assert joiner.is_invalidated(FP) and joiner.entry(key(1)) is None
-    assert joiner.pending_purges == set()  # the leader purges, not the joiner
-    assert joiner.lookup(FP, [h(1)]).invalidated
-    # The current fingerprint came along: the next change invalidates FP2 on the joiner too.
-    assert joiner.model_fingerprint_changed("m", "88" * 32) == [model_tag(FP2)]

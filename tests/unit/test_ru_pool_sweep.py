@@ -11,7 +11,9 @@ import time
 
 import pytest
 
-from kite_ru_pool.core import COLD, HOT, WARM, Archive, ExpireCold, PoolCore, RenewWarm, TIER_BITS
+from kite_ru_pool.core import PoolCore
+from kite_ru_pool.index import COLD, HOT, TIER_BITS, WARM
+from kite_ru_pool.lifecycle import Archive, ExpireCold, RenewWarm
 from kite_ru_pool.gc_freeze import IndexGcFreezer
 from kite_ru_pool.telemetry import loop_lag_probe
 from kite_shared.tiers.keys import BlockKey
@@ -34,22 +36,22 @@ def reference_sweep(c: PoolCore, now: float, warm_up: bool, cold_up: bool) -> li
     """The sweep as it was before issue 4 (sort every entry, then decide): the specification."""
     candidates = []
     for tag, models in c.index.models.items():
-        if c.is_tag_invalidated(tag):
+        if c.index.is_tag_invalidated(tag):
             continue
         for h, e in models.items():
             candidates.append((e.last_hit, e.key(tag, h), e))
     candidates.sort(key=lambda x: (x[0], x[1]))
     actions = []
     for last_hit, k, e in candidates:
-        if c.is_pinned(k):
+        if c.index.is_pinned(k):
             continue
         idle = now - last_hit
         if e.tiers & WARM and warm_up:
-            if idle >= c.archive_after_s and c.has_cold and cold_up:
+            if idle >= c.maintenance.archive_after_s and c.io.has_cold and cold_up:
                 actions.append(Archive(k, bool(e.tiers & COLD)))
-            elif now - e.warm_touch >= c.warm_ttl_s - c.renew_margin_s:
+            elif now - e.warm_touch >= c.maintenance.warm_ttl_s - c.maintenance.renew_margin_s:
                 actions.append(RenewWarm(k))
-        elif e.tiers == COLD and cold_up and c.cold_ttl_s > 0 and idle >= c.cold_ttl_s:
+        elif e.tiers == COLD and cold_up and c.maintenance.cold_ttl_s > 0 and idle >= c.maintenance.cold_ttl_s:
             actions.append(ExpireCold(k))
     return actions
 
@@ -62,7 +64,7 @@ def reference_totals(c: PoolCore) -> dict[str, tuple[int, int]]:
                 if e.tiers & bit:
                     totals[name][0] += 1
                     totals[name][1] += e.size
-    totals["hot"] = [len(c.hot), c.hot.bytes_used]
+    totals["hot"] = [len(c.io.hot), c.io.hot.bytes_used]
     return {k: (v[0], v[1]) for k, v in totals.items()}
 
 
@@ -73,13 +75,13 @@ def random_core(rng: random.Random, n: int, **kw) -> PoolCore:
         k = key(i, fp)
         choice = rng.random()
         if choice < 0.2:
-            c.put_hot(k, bytes(rng.randint(1, 50)), now=rng.choice([0.0, 500.0, 900.0]))
+            c.writes.put_hot(k, bytes(rng.randint(1, 50)), now=rng.choice([0.0, 500.0, 900.0]))
         tiers = rng.choice([WARM, COLD, WARM | COLD, WARM, COLD])
         # coarse times, so many entries tie on last hit and order falls to the key
-        c.note_stored(k, tiers, rng.randint(1, 100), now=float(rng.randrange(0, 1000, 50)),
+        c.index.note_stored(k, tiers, rng.randint(1, 100), now=float(rng.randrange(0, 1000, 50)),
                       last_hit=float(rng.randrange(0, 1000, 100)))
         if rng.random() < 0.05:
-            c.pin(fp, [k.block_hash])
+            c.catalog.pin(fp, [k.block_hash])
     return c
 
 
@@ -88,28 +90,28 @@ def test_sliced_sweep_decides_exactly_what_the_whole_index_sweep_did(seed):
     rng = random.Random(seed)
     c = random_core(rng, 600)
     if seed % 2:
-        c.invalidate_tag(key(0, FPS[1]).model_tag)  # invalidated tags are the purge's business
+        c.catalog.invalidate_tag(key(0, FPS[1]).model_tag)  # invalidated tags are the purge's business
     for now in (50.0, 700.0, 1500.0, 3000.0):
         for warm_up, cold_up in ((True, True), (True, False), (False, True)):
             expected = reference_sweep(c, now, warm_up, cold_up)
-            assert c.sweep(now, warm_up, cold_up) == expected
+            assert c.maintenance.sweep(now, warm_up, cold_up) == expected
             for step in (1, 7, 64, 599, 10_000):
-                sweep = c.begin_sweep(now, warm_up, cold_up)
+                sweep = c.maintenance.begin_sweep(now, warm_up, cold_up)
                 steps = 1
                 while not sweep.step(step):
                     steps += 1
                 assert sweep.actions() == expected, (now, warm_up, cold_up, step)
-                assert sweep.examined == c.num_blocks()
-                assert steps >= -(-c.num_blocks() // step)  # never more than `step` entries at once
-                assert sweep.tier_totals() == c.tier_totals()
-    assert any(isinstance(a, Archive) for a in c.sweep(3000.0, True, True))
+                assert sweep.examined == c.index.num_blocks()
+                assert steps >= -(-c.index.num_blocks() // step)  # never more than `step` entries at once
+                assert sweep.tier_totals() == c.maintenance.tier_totals()
+    assert any(isinstance(a, Archive) for a in c.maintenance.sweep(3000.0, True, True))
 
 
 def test_step_examines_at_most_the_budget_and_reports_done():
     c = core()
     for i in range(10):
-        c.note_stored(key(i), WARM, 1, now=0.0)
-    sweep = c.begin_sweep(45.0, True, True)
+        c.index.note_stored(key(i), WARM, 1, now=0.0)
+    sweep = c.maintenance.begin_sweep(45.0, True, True)
     assert not sweep.step(4) and sweep.examined == 4
     assert not sweep.step(4) and sweep.examined == 8
     assert sweep.step(4) and sweep.examined == 10 and sweep.done
@@ -119,7 +121,7 @@ def test_step_examines_at_most_the_budget_and_reports_done():
 
 def test_empty_index_sweeps_in_one_step():
     c = core()
-    sweep = c.begin_sweep(10.0, True, True)
+    sweep = c.maintenance.begin_sweep(10.0, True, True)
     assert sweep.step(1) and sweep.actions() == []
     assert sweep.tier_totals() == {"hot": (0, 0), "warm": (0, 0), "cold": (0, 0)}
 
@@ -127,55 +129,55 @@ def test_empty_index_sweeps_in_one_step():
 def test_index_changes_between_steps():
     c = core(warm_ttl_s=10_000.0)  # no lease renewals in this test
     for i in range(6):
-        c.note_stored(key(i), WARM, 10, now=0.0)  # all idle past archival at t=200
-    c.note_stored(key(100, FPS[1]), WARM, 10, now=0.0)
-    sweep = c.begin_sweep(200.0, True, True)
+        c.index.note_stored(key(i), WARM, 10, now=0.0)  # all idle past archival at t=200
+    c.index.note_stored(key(100, FPS[1]), WARM, 10, now=0.0)
+    sweep = c.maintenance.begin_sweep(200.0, True, True)
     assert not sweep.step(2)  # 0 and 1 examined (insertion order)
-    c.note_missing(key(2), WARM)  # dropped before it was examined: skipped
-    c.note_hit(key(3), now=150.0)  # hit before it was examined: not idle enough any more
-    c.note_hit(key(0), now=150.0)  # hit after it was examined: archived anyway (next sweep sees it)
-    c.pin(FPS[0], [key(4).block_hash])  # pinned before it was examined: kept
-    c.note_stored(key(6), WARM, 10, now=0.0)  # added after the tag's snapshot: next sweep
-    c.invalidate_tag(key(100, FPS[1]).model_tag)  # invalidated before its tag was reached: skipped
+    c.index.note_missing(key(2), WARM)  # dropped before it was examined: skipped
+    c.index.note_hit(key(3), now=150.0)  # hit before it was examined: not idle enough any more
+    c.index.note_hit(key(0), now=150.0)  # hit after it was examined: archived anyway (next sweep sees it)
+    c.catalog.pin(FPS[0], [key(4).block_hash])  # pinned before it was examined: kept
+    c.index.note_stored(key(6), WARM, 10, now=0.0)  # added after the tag's snapshot: next sweep
+    c.catalog.invalidate_tag(key(100, FPS[1]).model_tag)  # invalidated before its tag was reached: skipped
     while not sweep.step(2):
         pass
     assert sweep.actions() == [Archive(key(0), cold_has_it=False), Archive(key(1), cold_has_it=False),
                                Archive(key(5), cold_has_it=False)]
-    assert c.sweep(200.0, True, True) == [Archive(key(1), cold_has_it=False), Archive(key(5), cold_has_it=False),
-                                          Archive(key(6), cold_has_it=False)]
+    assert c.maintenance.sweep(200.0, True, True) == [
+        Archive(key(1), cold_has_it=False), Archive(key(5), cold_has_it=False), Archive(key(6), cold_has_it=False)]
 
 
 def test_a_tag_cleared_and_refilled_mid_pass_is_left_to_the_next_sweep():
     c = core()
     for i in range(4):
-        c.note_stored(key(i), WARM, 10, now=0.0)
-    sweep = c.begin_sweep(200.0, True, True)
+        c.index.note_stored(key(i), WARM, 10, now=0.0)
+    sweep = c.maintenance.begin_sweep(200.0, True, True)
     assert not sweep.step(1)
-    c.forget_tag(key(0).model_tag)  # an admin clear: the old entries are gone
-    c.note_stored(key(9), WARM, 10, now=0.0)  # and a new put makes a new dict for the tag
+    c.catalog.forget_tag(key(0).model_tag)  # an admin clear: the old entries are gone
+    c.index.note_stored(key(9), WARM, 10, now=0.0)  # and a new put makes a new dict for the tag
     assert sweep.step(100)
     assert sweep.actions() == [Archive(key(0), cold_has_it=False)]  # only what it examined before
 
 
 def test_tier_totals_count_each_tier_a_block_is_in():
     c = random_core(random.Random(42), 300)
-    c.note_stored(key(1000), WARM, 7, now=1.0)
-    c.put_hot(key(1001), b"x" * 9, now=1.0)
-    assert c.tier_totals() == reference_totals(c)
-    totals = c.tier_totals()
-    assert totals["hot"] == (len(c.hot), c.hot.bytes_used)
+    c.index.note_stored(key(1000), WARM, 7, now=1.0)
+    c.writes.put_hot(key(1001), b"x" * 9, now=1.0)
+    assert c.maintenance.tier_totals() == reference_totals(c)
+    totals = c.maintenance.tier_totals()
+    assert totals["hot"] == (len(c.io.hot), c.io.hot.bytes_used)
     assert set(totals) == {"hot", "warm", "cold"} and totals["warm"][0] > 0 and totals["cold"][0] > 0
 
 
 def test_sweep_totals_follow_what_the_pass_examined():
     c = core()
-    c.note_stored(key(1), WARM, 10, now=0.0)
-    c.note_stored(key(2), COLD, 20, now=0.0)
-    c.put_hot(key(3), b"h" * 5, now=0.0)
-    sweep = c.begin_sweep(1.0, True, True)
+    c.index.note_stored(key(1), WARM, 10, now=0.0)
+    c.index.note_stored(key(2), COLD, 20, now=0.0)
+    c.writes.put_hot(key(3), b"h" * 5, now=0.0)
+    sweep = c.maintenance.begin_sweep(1.0, True, True)
     assert sweep.step()
     assert sweep.tier_totals() == {"hot": (1, 5), "warm": (1, 10), "cold": (1, 20)}
-    assert sweep.tier_totals() == c.tier_totals()
+    assert sweep.tier_totals() == c.maintenance.tier_totals()
     assert HOT == TIER_BITS["hot"]
 
 

@@ -7,8 +7,8 @@ services drive it:
   counter, the queue-group fallback when the chosen worker refuses);
 - the ru-pool: one `kite_ru_pool.core.PoolCore` with its real hot tier (`HotLRU`), written through to
   an unbounded warm tier, fed the workers' BlockStored/BlockRemoved events and looked up by the router
-  and the workers, as kite_ru_pool/service.py does (`admit_put`, `reserve_quota`, `put_hot`, `note_stored`,
-  `lookup`, `hot_get`, `worker_stored`, `worker_removed`);
+  and the workers, as kite_ru_pool/service.py does (writes: `admit_put`, `reserve_quota`, `put_hot`; the
+  index's `note_stored`; reads: `lookup`, `hot_get`; worker_events: `stored`, `removed`);
 - each worker's local cache: the transformers engine's `kite_worker.block_cache.BlockCache` (LRU under
   a byte budget, stored/removed events drained by the caller), and the worker's load-or-recompute
   decision: `kite_worker.pool_loader.CostModel.plan`, seeded with this machine's tier bandwidths;
@@ -32,7 +32,8 @@ from functools import lru_cache
 
 from kite_arbitrator.core import ArbitratorCore
 from kite_arbitrator.rules import load_rules
-from kite_ru_pool.core import HOT, WARM, PoolCore
+from kite_ru_pool.core import PoolCore
+from kite_ru_pool.index import HOT, WARM
 from kite_shared.messages import WorkerTelemetry
 from kite_shared.routing import RouteRequest, RoutingKnobs, WorkerState, choose
 from kite_shared.tiers.keys import BlockKey, model_tag
@@ -244,9 +245,9 @@ class FleetSim:
         res.sim_end_s = now
         res.busy_s = [w.busy_s for w in self.workers]
         res.served = [w.num_served for w in self.workers]
-        res.pool_blocks = self.core.num_blocks()
-        res.pool_hot_blocks = len(self.core.hot)
-        res.pool_worker_entries = sum(self.core.num_worker_blocks().values())
+        res.pool_blocks = self.core.index.num_blocks()
+        res.pool_hot_blocks = len(self.core.io.hot)
+        res.pool_worker_entries = sum(self.core.workers.num_blocks().values())
         res.pool_counters = dataclasses.asdict(self.core.counters)
         res.wall_s = time.perf_counter() - started
         return res
@@ -306,7 +307,7 @@ class FleetSim:
         cpu_started = time.thread_time()  # CPU time too: wall time on a shared machine includes waits
         started = time.perf_counter()
         if lookup:
-            reply = self.core.lookup(self.fp, chain, include_workers=True)
+            reply = self.core.reads.lookup(self.fp, chain, include_workers=True)
             local_blocks, pool_blocks = dict(reply.workers), reply.pool
             looked = time.perf_counter()
             res.lookup_s.append(looked - started)
@@ -368,7 +369,7 @@ class FleetSim:
         load_s = 0.0
         if self.cfg.pool_read and local < num_prompt:
             started = time.perf_counter()
-            found = self.core.lookup(self.fp, prompt[local:], HOT | WARM, include_workers=False)
+            found = self.core.reads.lookup(self.fp, prompt[local:], HOT | WARM, include_workers=False)
             if found.pool:
                 k = self.plan(found.tiers)
                 if k:
@@ -381,7 +382,7 @@ class FleetSim:
                         tenant_tag = self.trace.tenant_tags[job.tenant]
                         for depth in range(local, local + k):
                             if letters[depth - local] == 104:  # b"h"
-                                self.core.hot_get(BlockKey(self.tag, prompt[depth], tenant_tag), now)
+                                self.core.reads.hot_get(BlockKey(self.tag, prompt[depth], tenant_tag), now)
             self.result.pool_read_s += time.perf_counter() - started  # plan and fetch_seconds are memoized
             self.result.pool_reads += 1
         job.local = local
@@ -469,9 +470,9 @@ class FleetSim:
         worker.seq += 1
         started = time.perf_counter()
         if kind == "stored":
-            self.core.worker_stored(worker.worker_id, self.fp, hashes, worker.seq, now)
+            self.core.worker_events.stored(worker.worker_id, self.fp, hashes, worker.seq, now)
         else:
-            self.core.worker_removed(worker.worker_id, self.fp, hashes, False, worker.seq, now)
+            self.core.worker_events.removed(worker.worker_id, self.fp, hashes, False, worker.seq, now)
         res = self.result
         res.pool_event_s += time.perf_counter() - started
         res.pool_event_hashes += len(hashes)
@@ -483,18 +484,18 @@ class FleetSim:
         new string, `BlockKey.of` makes a new model tag string, `len(data)` a new int and each clock()
         reading a new float, and the index keeps all of them. Making them the same way here (`+ 0`,
         `encode().decode()`) is what makes the index's measured memory per block the service's."""
-        core = self.core
+        writes, index = self.core.writes, self.core.index
         started = time.perf_counter()
         key = BlockKey.of(self.fp, block_hash, tenant_tag.encode().decode())
-        if only_missing and core.tiers_of(key):
+        if only_missing and index.tiers_of(key):
             return
         self.result.pool_puts += 1
-        if core.admit_put(key) == "store":
+        if writes.admit_put(key) == "store":
             size = self.block_bytes + 0
-            if core.reserve_quota(key, size) is not None:
-                for action in core.put_hot(key, self.unit, now + 0.0, depth):
-                    core.note_stored(action.key, action.tier, size, now)  # the demotion's write succeeded
-                core.note_stored(key, WARM, size, now + 0.0, depth=depth)  # the write-through succeeded
+            if writes.reserve_quota(key, size) is not None:
+                for action in writes.put_hot(key, self.unit, now + 0.0, depth):
+                    index.note_stored(action.key, action.tier, size, now)  # the demotion's write succeeded
+                index.note_stored(key, WARM, size, now + 0.0, depth=depth)  # the write-through succeeded
         self.result.pool_put_s += time.perf_counter() - started
 
     # --- control plane ---------------------------------------------------------------------------

@@ -100,7 +100,7 @@ def pool_memory(core: Any, skip: tuple[type, ...] = ()) -> dict[str, Any]:
         if value is not None:
             parts[name] = walker.walk(value)
     total = sum(parts.values()) + sys.getsizeof(core) + sys.getsizeof(vars(core))
-    num_blocks = core.num_blocks()
+    num_blocks = core.index.num_blocks()
     return {
         "method": "sys.getsizeof walk of every object reachable from the PoolCore, each counted once "
                   "(the hot tier's unit payloads excluded: they are the stored data, not the index)",
@@ -119,7 +119,7 @@ def time_sweep(core: Any, now: float, slice_entries: int = 1000) -> dict[str, An
     its total time and the longest slice (how long it holds the pool's event loop at once)."""
     slices: list[float] = []
     started = time.perf_counter()
-    sweep = core.begin_sweep(now, warm_up=True, cold_up=False)
+    sweep = core.maintenance.begin_sweep(now, warm_up=True, cold_up=False)
     done = False
     while not done:
         t0 = time.perf_counter()
@@ -179,7 +179,7 @@ def summarize_mode(r: ModeResult, service_telemetry_interval_s: float = 1.0) -> 
             # decisions with a pool lookup (a session's first turn, in cache_aware): the costly kind
             "lookup_decision_ms": _ms(r.full_route_s),
             "lookup_decision_cpu_ms": _ms(r.full_route_cpu_s),
-            "lookup_ms": _ms(r.lookup_s),  # PoolCore.lookup(include_workers=True)
+            "lookup_ms": _ms(r.lookup_s),  # PoolCore's reads.lookup(include_workers=True)
             "choose_ms": _ms(r.choose_s),  # routing.choose over every candidate
         },
         "session_affinity": round(r.followups_same_worker / r.followups, 4) if r.followups else None,

@@ -1,9 +1,9 @@
 """The ru-pool's background work: tier writes and maintenance that run after a handler has replied
 (write-through, demotions, promotions, deletions, purges, the index rebuild).
 
-Boundary: asyncio only; it knows nothing of the pool. The service's layers (tier_io, maintenance, admin,
-handlers) spawn into one BackgroundTasks, and the service waits for it when it stops (bounded), so a
-drain finishes the writes it can.
+Boundary: asyncio only; it knows nothing of the pool. The pool's parts (writes, reads, maintenance,
+tier I/O's hot files, the replica layer's sends) spawn into one BackgroundTasks (core.PoolCore's), and
+the service waits for it when it stops (bounded), so a drain finishes the writes it can.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The ru-pool's counters (`kite pool stats`, `PoolTelemetry`): one plain record that the layers of the
-core (core, hot_tier, worker_caches) and of the service (tier_io, maintenance) add to.
+"""The ru-pool's counters (`kite pool stats`, `PoolTelemetry`): one plain record that the coordinating
+parts (reads, writes, catalog, worker_events, maintenance), tier I/O and the replica layer add to.
 
 Boundary: a leaf; it imports nothing and decides nothing.
 """

@@ -1,12 +1,16 @@
 """The ru-pool's handler table: each NATS subject it serves, as a kite_shared.endpoints.Endpoint (decode
--> core or tier I/O -> reply), and the form of a get's reply: files on the same host, a ticket for the
-block stream for another host that asks for it, else the units inline.
+-> the coordinating layer -> reply), and the form of a get's reply: files on the same host, a ticket for
+the block stream for another host that asks for it, else the units inline.
 
-Boundary: the only module that knows subjects and messages. It calls the pure core (core.PoolCore) for
-lookups and worker events, tier_io.TierIO for puts and gets, admin.PoolAdmin for admin requests and
-maintenance.Maintenance to purge after an invalidation. The framework decodes, traces, sets the request
-context, answers a bad message with `invalid_message` and a handler bug with `internal_error`, and
-counts; handlers here return the reply (None for events) or raise Refusal.
+Boundary: the only module that knows subjects and messages (with replicas.py for the replicas' own), on
+top of the coordinating layer: a put, a lookup, a get or an admin request is one call into it, and the
+reply is built from what comes back; no handler calls the lower layers (index, tier I/O, worker
+caches). A put goes to writes.PoolWrites, a lookup and a get to reads.PoolReads, worker events to
+worker_events.WorkerEvents, fingerprints, quarantines and shadow checks to catalog.Catalog (then
+maintenance.Maintenance purges on the leading replica), admin requests to admin.PoolAdmin. The framework
+decodes, traces, sets the request context, answers a bad message with `invalid_message` and a handler
+bug with `internal_error`, and counts; handlers here return the reply (None for events) or raise
+Refusal.
 
     subject                      queue     reply               handler
     kite.v1.pool.put             ru-pool   none (raw unit)     put
@@ -49,8 +53,7 @@ from kite_shared.tiers.handoff import HandoffFolder
 from kite_shared.tiers.keys import model_tag
 from kite_ru_pool.admin import PoolAdmin
 from kite_ru_pool.core import PoolCore
-from kite_ru_pool.maintenance import Maintenance
-from kite_ru_pool.tier_io import FoundBlocks, TierIO
+from kite_ru_pool.reads import FoundBlocks
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +76,16 @@ class TimedEndpoint(Endpoint):
 
 
 class PoolHandlers:
-    def __init__(self, core: PoolCore, io: TierIO, admin: PoolAdmin, maintenance: Maintenance, nc: NATS,
-                 handoff: HandoffFolder | None, host_id: str, clock: Callable[[], float],
-                 instance_id: str = "ru-pool", stream: BlockStreamServer | None = None) -> None:
+    def __init__(self, core: PoolCore, admin: PoolAdmin, nc: NATS, handoff: HandoffFolder | None,
+                 host_id: str, clock: Callable[[], float], instance_id: str = "ru-pool",
+                 stream: BlockStreamServer | None = None) -> None:
         self.instance_id = instance_id  # names this replica's own subjects (subjects.pool_replica)
-        self.core = core
-        self.io = io
+        self.reads = core.reads
+        self.writes = core.writes
+        self.catalog = core.catalog
+        self.worker_events = core.worker_events
+        self.maintenance = core.maintenance
         self.admin = admin
-        self.maintenance = maintenance
         self.nc = nc
         self.handoff = handoff  # same-host readers get units as files here (kite_shared.tiers.handoff)
         self.host_id = host_id
@@ -120,10 +125,10 @@ class PoolHandlers:
 
     # --- the block path ---------------------------------------------------------------------------------
     async def put(self, data: bytes) -> None:
-        self.io.put_bytes(data)
+        self.writes.put_bytes(data)
 
     async def lookup(self, req: PoolLookupRequest) -> PoolLookupReply:
-        r = self.core.lookup(req.model_fingerprint, req.block_hashes, self.io.up_mask(), req.include_workers)
+        r = self.reads.lookup(req.model_fingerprint, req.block_hashes, include_workers=req.include_workers)
         return PoolLookupReply(hot=r.hot, warm=r.warm, cold=r.cold, pool=r.pool, tiers=r.tiers,
                                workers=r.workers, invalidated=r.invalidated)
 
@@ -134,10 +139,8 @@ class PoolHandlers:
         budget = HANDOFF_REPLY_MAX_BYTES if handoff or stream else inline_budget
         if req.max_bytes > 0:
             budget = min(budget, req.max_bytes)
-        found = await self.io.get_blocks(req.model_fingerprint, req.block_hashes, budget,
-                                         security.tenant_tag(req.tenant))
-        if found.units:
-            self.core.namespaces.served(model_tag(req.model_fingerprint), len(found.units))
+        found = await self.reads.get_blocks(req.model_fingerprint, req.block_hashes, budget,
+                                            security.tenant_tag(req.tenant), lend_files=handoff)
         if handoff and found.units:
             return await self._hand_off(found, min(budget, inline_budget))
         if stream and found.units:
@@ -150,11 +153,9 @@ class PoolHandlers:
         """The units as files: the hot files that hold them when every one is in one (nothing written),
         else reply files written for the asker; inline (cut to `inline_budget`) if the folder cannot
         take them (a full tmpfs, say)."""
-        hot_files = self.io.hot_files
-        lent = [hot_files.lent_path(data) for data in found.units] if hot_files is not None else []
-        if lent and None not in lent:
-            return PoolGetReply(unit_files=lent, files_lent=True, tiers=found.tiers, complete=found.complete,
-                                error=found.error)
+        if found.lent_files:
+            return PoolGetReply(unit_files=found.lent_files, files_lent=True, tiers=found.tiers,
+                                complete=found.complete, error=found.error)
         try:
             paths = await asyncio.to_thread(self.handoff.write_all, found.units)
         except OSError as exc:
@@ -175,20 +176,20 @@ class PoolHandlers:
     async def block_event(self, ev: BlockStored | BlockRemoved) -> None:
         now = self.clock()
         if isinstance(ev, BlockStored):
-            self.core.worker_stored(ev.worker_id, ev.model_fingerprint, ev.block_hashes, ev.seq, now)
+            self.worker_events.stored(ev.worker_id, ev.model_fingerprint, ev.block_hashes, ev.seq, now)
         else:
-            self.core.worker_removed(ev.worker_id, ev.model_fingerprint, ev.block_hashes, ev.all_blocks,
-                                     ev.seq, now)
+            self.worker_events.removed(ev.worker_id, ev.model_fingerprint, ev.block_hashes, ev.all_blocks,
+                                       ev.seq, now)
 
     async def worker_heartbeat(self, hb: Heartbeat) -> None:
         if hb.draining:
-            self.core.forget_worker(hb.instance_id)
+            self.worker_events.forget(hb.instance_id)
         else:
-            self.core.worker_alive(hb.instance_id, self.clock())
+            self.worker_events.alive(hb.instance_id, self.clock())
 
     async def model_fingerprint(self, ev: ModelFingerprintChanged) -> None:
-        tags = self.core.model_fingerprint_changed(ev.model_name, ev.model_fingerprint,
-                                                   ev.previous_fingerprint)
+        tags = self.catalog.model_fingerprint_changed(ev.model_name, ev.model_fingerprint,
+                                                      ev.previous_fingerprint)
         if tags:
             # Every replica hears this and invalidates; the leader purges the storage.
             leading = self.maintenance.leading()
@@ -198,23 +199,22 @@ class PoolHandlers:
             if leading:
                 self.maintenance.purge_in_background()
 
-
     async def decision(self, d: Decision) -> None:
         """The arbitrator's quarantine decisions (every replica applies them; the leader purges)."""
         if d.action != "quarantine" or d.quarantined is None:
             return
         tag = model_tag(d.target)
-        if d.quarantined and self.core.quarantine(tag, d.namespace):
+        if d.quarantined and self.catalog.quarantine(tag, d.namespace):
             leading = self.maintenance.leading()
             log.error("namespace %s (%s) quarantined: its blocks are misses%s (%s)", d.namespace, tag,
                       ", purging them" if leading else "; the leading replica purges them", d.reason)
             if leading:
                 self.maintenance.purge_in_background()
-        elif not d.quarantined and self.core.lift_quarantine(tag, d.namespace):
+        elif not d.quarantined and self.catalog.lift_quarantine(tag, d.namespace):
             log.warning("namespace %s (%s): quarantine lifted (%s)", d.namespace, tag, d.reason)
 
     async def shadow_result(self, result: ShadowCheckResult) -> None:
-        self.core.namespaces.shadow_checked(model_tag(result.model_fingerprint), result.namespace, result.diverged)
+        self.catalog.shadow_checked(result.model_fingerprint, result.namespace, result.diverged)
 
 
 def _inline(found: FoundBlocks, count: int) -> PoolGetReply:

@@ -2,12 +2,15 @@
 blocks are pinned; which model fingerprints are current and which are invalidated; and the storage purges
 that invalidations and clears leave to do.
 
-Boundary: pure and synchronous, no clock (callers pass `now`, unix seconds), no I/O. It records what the
-tiers report (`note_stored`, `note_missing`) and answers where blocks are (`entry`, `prefixes`,
-`keys_in`); deciding what to move is the core's and the lifecycle's business (core.py, lifecycle.py).
-One layer below it: tenants.Tenants, whose ledgers it keeps in step with its entries (a block counts for
-its owner from the first tier that holds it until the last one lets it go). The hot tier's bytes are not
-here: the hot LRU holds them and core.PoolCore keeps the two in step.
+Boundary: a lower layer, pure structure in the manner of SGLang's radix cache: synchronous, no clock
+(callers pass `now`, unix seconds), no I/O, no events of its own and no calls into the pool's other
+parts. It records what the coordinating parts tell it the tiers did (`note_stored`, the one place a
+block becomes stored; `note_missing`, `note_evicted`, `drop`) and answers where blocks are (`entry`,
+`prefixes`, `keys_in`, `evictable`); deciding what to move is theirs (reads, writes, catalog,
+maintenance, with lifecycle.SweepPass). One layer below it: tenants.Tenants, whose ledgers it keeps in
+step with its entries (a block counts for its owner from the first tier that holds it until the last
+one lets it go). The hot tier's bytes are not here: tier_io.TierIO's LRU holds them, and writes.py keeps
+the two in step.
 
 Layout: model tag -> block hash -> Entry. Lookups walk a chain with one dict probe per block, so a
 128-block chain costs tens of microseconds. Everything in the entries can be rebuilt from the tiers' key
@@ -19,7 +22,7 @@ ModelFingerprintChanged events), and the last hits of hot-only blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from kite_shared.security import ANONYMOUS_TENANT_TAG
 from kite_shared.tiers.keys import BlockKey, model_tag
@@ -78,6 +81,9 @@ class BlockIndex:
         # (model tag or ALL_TAGS, tenant tag) of tenant clears whose storage needs purging
         self.pending_tenant_purges: set[tuple[str, str]] = set()
         self.current: dict[str, str] = {}  # model name -> current fingerprint
+        # True while a rebuild from the tiers' listings runs (maintenance.py): stored blocks it has not
+        # reached yet are missing here, so reads ask the tiers for blocks this index does not know.
+        self.rebuilding = False
 
     # --- where blocks live ---------------------------------------------------------------------------
     def entry(self, key: BlockKey) -> Entry | None:
@@ -120,8 +126,18 @@ class BlockIndex:
         if e is None:
             return None
         e.tiers &= ~tier
-        self.drop_if_empty(key, e)
+        self.drop_if_empty(key)
         return e.key(key.model_tag, key.block_hash)
+
+    def note_evicted(self, key: BlockKey) -> int | None:
+        """Hot let the block go (an LRU eviction); returns the tiers still holding it, None when the
+        index does not know the block. An entry left with no tier stays (a demotion may be pending: it
+        keeps the size and last hit, and lookups skip it) until `note_stored` or `drop_if_empty`."""
+        e = self.entry(key)
+        if e is None:
+            return None
+        e.tiers &= ~HOT
+        return e.tiers
 
     def note_hit(self, key: BlockKey, now: float) -> None:
         e = self.entry(key)
@@ -133,24 +149,24 @@ class BlockIndex:
         if e is not None:
             e.warm_touch = now
 
-    def drop_if_empty(self, key: BlockKey, e: Entry) -> None:
+    def drop_if_empty(self, key: BlockKey) -> None:
         """Forget the entry once no tier holds it (an entry with a demotion pending keeps none a while)."""
-        if e.tiers == 0:
-            models = self.models.get(key.model_tag)
-            if models is not None and models.get(key.block_hash) is e:
-                del models[key.block_hash]
-                self.tenants.removed(e.tenant_tag, (key.model_tag, key.block_hash), e.size)
-                if not models:
-                    del self.models[key.model_tag]
+        models = self.models.get(key.model_tag)
+        e = None if models is None else models.get(key.block_hash)
+        if e is not None and e.tiers == 0:
+            del models[key.block_hash]
+            self.tenants.removed(e.tenant_tag, (key.model_tag, key.block_hash), e.size)
+            if not models:
+                del self.models[key.model_tag]
 
-    def drop(self, tag: str, block_hash: bytes, e: Entry) -> BlockKey:
-        """Forget a block whatever tiers hold it; returns its storage key."""
+    def drop(self, tag: str, block_hash: bytes) -> Entry:
+        """Forget a block the index holds, whatever tiers hold it; returns its entry as it was."""
         models = self.models[tag]
-        del models[block_hash]
+        e = models.pop(block_hash)
         if not models:
             del self.models[tag]
         self.tenants.removed(e.tenant_tag, (tag, block_hash), e.size)
-        return e.key(tag, block_hash)
+        return e
 
     def keys_of(self, model_fingerprint: str, chain: Iterable[bytes], tenant_tag: str) -> list[BlockKey]:
         """Storage keys of a chain: the owner the index knows, else `tenant_tag` (a pin may come first)."""
@@ -178,6 +194,16 @@ class BlockIndex:
         if ledger is None:
             return []
         return [(t, h, self.models[t][h]) for t, h in sorted(ledger.blocks) if tag is None or t == tag]
+
+    def evictable(self, tenant_tag: str, new: BlockKey) -> Iterator[tuple[float, int, str, bytes, int]]:
+        """The tenant's blocks a quota may evict for the put of `new`, as tenants.Tenants.quota_victims
+        reads them (last hit, depth, model tag, block hash, size): not pinned, not being written by a
+        demotion right now, not `new` itself. Lazy: walked only when the tenant is over its quota."""
+        ident_new = (new.model_tag, new.block_hash)
+        for ident in self.tenants.ledger(tenant_tag).blocks:
+            e = self.models[ident[0]][ident[1]]
+            if ident not in self.pins and e.tiers != 0 and ident != ident_new:
+                yield e.last_hit, e.depth, ident[0], ident[1], e.size
 
     # --- lookups -------------------------------------------------------------------------------------
     def prefixes(self, tag: str, chain: Sequence[bytes], up: int) -> tuple[int, int, int, int, bytes]:

@@ -1,13 +1,14 @@
 """Index changes: what one ru-pool replica tells the others so that every replica's index says the same
 about the shared tiers (docs/ru-pool.md, "Replicas").
 
-Boundary: pure and synchronous, no I/O. `IndexChangeLog` records, in order, the changes this replica made
-to what warm and cold hold (writes, promotions, demotions, archival, renewals, expiry, deletions), to pins,
-and the clears, invalidations and finished purges; tier_io, maintenance and admin call it where they make
-the change. It groups consecutive changes of one kind (one operation on blocks of one model and tenant)
-and hands them out as batches (`take`) for the replica layer (replicas.py) to publish as
-messages.PoolIndexChanges. `apply_changes` is the other side: a receiving replica applies a batch to its
-own core (core.PoolCore).
+Boundary: a record the coordinating parts add to, synchronous, no I/O, calling nothing. `IndexChangeLog`
+records, in order, the changes this replica made to what warm and cold hold (writes, promotions,
+demotions, archival, renewals, expiry, deletions), to pins, and the clears, invalidations and finished
+purges; writes, reads, maintenance and admin add to it where they make the change. It groups consecutive
+changes of one kind (one operation on blocks of one model and tenant) and hands them out as batches
+(`take`) for the replica layer (replicas.py) to publish as messages.PoolIndexChanges; `pending` tells that
+layer there is something to send (an event it waits on: the log never calls it). The other side,
+applying a batch from another replica, is catalog.Catalog.apply_changes.
 
 What is never sent: the hot tier (each replica's own memory), index rebuilds from the tier listings (each
 replica lists for itself), worker caches (every replica hears the workers' events itself) and model
@@ -16,10 +17,10 @@ fingerprint changes (every replica hears those too).
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+import asyncio
+from typing import Iterable
 
 from kite_shared.messages import IndexChange
-from kite_shared.security import ANONYMOUS_TENANT_TAG
 from kite_shared.tiers.keys import BlockKey
 from kite_ru_pool.index import ALL_TAGS, COLD, WARM
 
@@ -32,12 +33,12 @@ class IndexChangeLog:
     """The changes this replica made, not sent yet, grouped in order (module docstring).
 
     Disabled (`enabled=False`: a pool without replicas, such as the unit tests' bus-less pool) it records
-    nothing. `on_change` is called when a change arrives in an empty log (the replica layer schedules a
-    send then)."""
+    nothing. `pending` is set when a change arrives in an empty log and cleared by `take` (the replica
+    layer sends a few milliseconds after it is set)."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
-        self.on_change: Callable[[], None] | None = None
+        self.pending = asyncio.Event()
         self._groups: list[dict] = []
 
     def __len__(self) -> int:
@@ -89,6 +90,7 @@ class IndexChangeLog:
         """Everything recorded, as batches (one message each) of at most `max_hashes` block hashes; a
         group larger than that is cut over several batches, in order. The log is empty afterwards."""
         groups, self._groups = self._groups, []
+        self.pending.clear()
         batches: list[list[IndexChange]] = []
         batch: list[IndexChange] = []
         room = max_hashes
@@ -131,59 +133,6 @@ class IndexChangeLog:
         g = {"op": op, "tier": tier, "model_tag": tag, "tenant_tag": tenant_tag, "block_hashes": [],
              "sizes": [], "depths": [], "last_hits": [], "at": at}
         self._groups.append(g)
-        if len(self._groups) == 1 and self.on_change is not None:
-            self.on_change()
+        self.pending.set()
         return g
 
-
-def apply_changes(core, changes: Iterable[IndexChange], now: float) -> None:
-    """Apply another replica's changes to this replica's core (a core.PoolCore), in order.
-
-    Blocks of a model tag this replica holds invalidated are not indexed (its purge deletes them); hits
-    and renewals of blocks it does not know change nothing; a clear queues the same storage purge as on
-    the sender, and the sender's `purged` settles it."""
-    for c in changes:
-        tag = c.model_tag
-        tenant = c.tenant_tag or None
-        if c.op == "cleared":
-            if tenant is None:
-                core.forget_tag(None if tag == ALL_TAGS else tag)
-            else:
-                core.forget_tenant(tenant, None if tag == ALL_TAGS else tag)
-            continue
-        if c.op == "invalidated":
-            core.invalidate_tag(tag)
-            continue
-        if c.op == "purged":
-            if tenant is None:
-                core.purge_done(tag)
-            else:
-                core.pending_tenant_purges.discard((tag, tenant))
-            continue
-        keys = [BlockKey(tag, h, c.tenant_tag or ANONYMOUS_TENANT_TAG) for h in c.block_hashes]
-        if c.op == "stored":
-            if core.is_tag_invalidated(tag):
-                continue
-            bit = TIER_BIT[c.tier]
-            for i, key in enumerate(keys):
-                depth = c.depths[i] if i < len(c.depths) and c.depths[i] >= 0 else None
-                last_hit = c.last_hits[i] if i < len(c.last_hits) else None
-                size = c.sizes[i] if i < len(c.sizes) else 0
-                core.note_stored(key, bit, size, now, last_hit=last_hit, depth=depth)
-        elif c.op == "missing":
-            bit = TIER_BIT[c.tier]
-            for key in keys:
-                core.note_missing(key, bit)
-        elif c.op == "renewed":
-            for key in keys:
-                core.note_renewed(key, c.at)
-        elif c.op == "hit":
-            for key in keys:
-                core.note_hit(key, c.at)
-        elif c.op == "dropped":
-            core.drop_blocks(keys)
-        elif c.op == "pinned":
-            for key in keys:
-                core.restore_pin(key)
-        elif c.op == "unpinned":
-            core.unpin_keys(keys)

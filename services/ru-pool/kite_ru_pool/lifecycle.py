@@ -1,15 +1,16 @@
-"""Lifecycle decisions: the actions the core hands the service to carry out, and the sweep that decides
-archival, warm lease renewal and cold expiry over the block index.
+"""Lifecycle decisions: the actions the coordinating parts decide and then carry out, and the sweep that
+decides archival, warm lease renewal and cold expiry over the block index.
 
-Boundary: pure and deterministic (the sweep takes `now`); it reads the block index (index.py) and the hot
-LRU's totals and changes neither. The service carries the actions out (tier_io: demotions and deletions;
-maintenance: the sweep's actions) and reports the outcome to the core (`note_stored`, `note_missing`).
+Boundary: pure and deterministic (the sweep takes `now`), a helper of the coordinating layer: it reads
+the block index (index.py) and the hot LRU's totals and changes neither, and calls nothing. writes.py
+decides demotions and drops and carries them out, maintenance.py carries out the sweep's actions; both
+record the outcome in the index (`record_stored`, `record_missing`).
 
 Rules (all times from the last hit, where a put or a worker reporting it loaded the block counts as a
 hit):
-  * promotion: a warm or cold hit is copied to hot (and a cold hit to warm) - done by the service;
+  * promotion: a warm or cold hit is copied to hot (and a cold hit to warm) - done by reads.py;
   * demotion: a block evicted from hot that no slower tier holds is written to warm (cold if warm is
-    off or down) - decided by hot_tier;
+    off or down) - decided by writes.py;
   * archival: a warm block idle >= archive_after_s is copied to cold (if cold lacks it) and removed
     from warm;
   * renewal: the warm TTL is a lease, not the retention policy: the pool renews warm blocks it still
@@ -18,8 +19,8 @@ hit):
   * cold TTL: a block held only in cold and idle >= cold_ttl_s (when > 0) is deleted;
   * pins: pinned blocks are never evicted from hot, archived or expired (warm stores them without TTL);
   * invalidated model tags are not swept: their blocks wait for the purge;
-  * sweeps: `PoolCore.sweep` decides over the whole index at once; the service walks it in bounded
-    slices (`PoolCore.begin_sweep`, `SweepPass`), judging each entry when its slice runs, so one sweep
+  * sweeps: `Maintenance.sweep` decides over the whole index at once; the service walks it in bounded
+    slices (`Maintenance.begin_sweep`, `SweepPass`), judging each entry when its slice runs, so one sweep
     never holds the event loop for long (issue 4).
 """
 
@@ -65,7 +66,8 @@ class ExpireCold:
 
 @dataclass(frozen=True)
 class DropBlock:
-    """Delete the block from `tiers` (a bit set of WARM | COLD); the index and hot already forgot it."""
+    """Delete the block from `tiers` (a bit set of WARM | COLD); the index and hot already forgot it
+    (catalog.Catalog.drop)."""
 
     key: BlockKey
     tiers: int
@@ -78,14 +80,14 @@ class SweepPass:
     """One lifecycle sweep (the module's rules) walked in bounded steps; pure and deterministic.
 
     `step(n)` examines at most n index entries and returns True once every entry has been examined;
-    `actions()` then lists the decisions, oldest idle first (ties by key), as `PoolCore.sweep`. The
+    `actions()` then lists the decisions, oldest idle first (ties by key), as `Maintenance.sweep`. The
     walk covers the model tags and, per tag, the block hashes present when it reaches that tag (one
     snapshot of the tag's keys, a C-speed copy); each entry is judged from its state at the step that
     examines it, with the pass's `now`. So between steps the index may change: an entry dropped or
     invalidated meanwhile is skipped, one added after its tag's snapshot waits for the next sweep, and
     a pin or hit that lands after its entry was examined applies from the next sweep (the service
     re-checks nothing: a renewal or archival of a block hit a moment ago is harmless). Run in one step
-    (`step()` with no limit) the result is exactly `PoolCore.sweep`'s.
+    (`step()` with no limit) the result is exactly `Maintenance.sweep`'s.
 
     The pass also counts blocks and bytes per tier over the entries it examined (`tier_totals`), so a
     service can report warm/cold totals without another walk of the index.

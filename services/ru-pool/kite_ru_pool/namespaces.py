@@ -1,9 +1,10 @@
 """The audit trail of each namespace (issue 16): a model fingerprint, naming a base or an adapter under one
-execution path. Pure bookkeeping, no I/O: the handlers feed it, `kite pool stats` and /metrics read it.
+execution path. Pure bookkeeping, no I/O, calling nothing of the pool: reads.py (blocks served) and
+catalog.py (names, shadow checks, quarantines) feed it, `kite pool stats` and /metrics read it.
 
 Per namespace: the blocks the index holds, the blocks this replica served, the shadow checks workers
 reported and how many diverged, and whether the arbitrator quarantined it. Quarantine itself is applied
-by the core (core.PoolCore.quarantine: its blocks are misses, then purged); this module only remembers it
+by the catalog (catalog.Catalog.quarantine: its blocks are misses, then purged); this module only remembers it
 and the name the fingerprint serves.
 """
 

@@ -1,14 +1,12 @@
 """The ru-pool service: builds the pool from its parts, starts and stops it.
 
-    handlers.PoolHandlers   the Endpoint table (decode -> core / tier I/O -> reply), hand-off files
+    handlers.PoolHandlers   the Endpoint table (decode -> the coordinating layer -> reply), hand-off files
       admin.PoolAdmin       kite pool stats / clear / purge / evict / pin / unpin
-      maintenance.Maintenance   index rebuild, warm resync, purges, the lifecycle sweep
-        tier_io.TierIO      puts, gets, moves between tiers, verification
-          core.PoolCore     the pure core (index, tenants, hot tier, worker caches, lifecycle)
     replicas.Replicas       index changes to and from the other replicas, the worker-cache snapshot,
-                            the maintenance lease, the other replicas' heartbeats
-      index_changes         the change log (recorded by tier I/O, maintenance, admin) and applying it
-    background.BackgroundTasks   the writes that run after a reply (waited for on stop)
+                            the maintenance lease; peers.Peers, the other replicas' heartbeats
+    core.PoolCore           the parts below handlers and replicas, built together (its docstring):
+      reads, writes, catalog, worker_events, maintenance    the coordinating layer
+      index, tier_io, worker_caches                          the lower layers
     telemetry               PoolTelemetry and the event-loop lag probe
 
 Boundary: wiring and lifecycle only. The subscriptions and periodic work (sweep, telemetry, lag probe,
@@ -45,14 +43,12 @@ from kite_shared.tiers import handoff
 from kite_shared.tiers.block_stream import BlockStreamServer
 from kite_shared.tiers.client import TierClient
 from kite_ru_pool.admin import PoolAdmin
-from kite_ru_pool.background import BackgroundTasks
 from kite_ru_pool.core import PoolCore
 from kite_ru_pool.handlers import PoolHandlers
 from kite_ru_pool.index_changes import IndexChangeLog
-from kite_ru_pool.maintenance import Maintenance
+from kite_ru_pool.peers import Peers
 from kite_ru_pool.replicas import Replicas
 from kite_ru_pool.telemetry import pool_telemetry, probe_loop_lag
-from kite_ru_pool.tier_io import TierIO
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +73,6 @@ class PoolService:
         self.warm = self.tiers.warm
         self.cold = self.tiers.cold
         self.clock = clock
-        self.core = PoolCore(cfg.hot_bytes, cfg.archive_after_s, tier_cfg.warm_ttl_s, tier_cfg.cold_ttl_s,
-                             cfg.sweep_interval_s, has_warm=self.warm is not None,
-                             has_cold=self.cold is not None, tenant_quota_bytes=cfg.tenant_quota_bytes,
-                             tenant_quotas={security.tenant_tag(name): quota
-                                            for name, quota in cfg.tenant_quota_overrides().items()})
         # Same-host readers map hot blocks from files in memory rather than get them through NATS
         # (tiers.handoff): the hot tier keeps each unit in a file of this folder.
         self.host_id = handoff.host_id()
@@ -89,28 +80,27 @@ class PoolService:
         self.hot_files = handoff.HotFiles(self.handoff) if self.handoff is not None else None
         # Readers on other hosts take the units of their gets from a TCP stream (tiers.block_stream).
         self.stream = BlockStreamServer() if cfg.data_listen else None
-        self.background = BackgroundTasks()
-        self.changes = IndexChangeLog()  # what this replica changes in the shared tiers, for the others
-        self.io = TierIO(self.core, self.tiers, self.ru_key, clock, self.background, self.changes,
-                         self.hot_files)
-        self.replicas: Replicas | None = None  # set below: Maintenance asks it who leads
-        self.maintenance = Maintenance(self.core, self.io, self.tiers, clock, self.background,
-                                       cfg.sweep_interval_s, freeze_gc, leading=lambda: self.replicas.leading())
-        self.replicas = Replicas(self.core, self.maintenance, self.changes, self.background, nc, instance_id,
-                                 cfg.lease_s, heartbeat_interval_s, has_warm=self.warm is not None, clock=clock)
-        self.admin = PoolAdmin(self.core, self.io, self.maintenance,
-                               lambda: {**self.replicas.counters(), "serving": int(self.serving)})
-        self.handlers = PoolHandlers(self.core, self.io, self.admin, self.maintenance, nc, self.handoff,
-                                     self.host_id, clock, instance_id, self.stream)
+        self.core = PoolCore(cfg.hot_bytes, cfg.archive_after_s, tier_cfg.warm_ttl_s, tier_cfg.cold_ttl_s,
+                             cfg.sweep_interval_s, has_warm=self.warm is not None,
+                             has_cold=self.cold is not None, tenant_quota_bytes=cfg.tenant_quota_bytes,
+                             tenant_quotas={security.tenant_tag(name): quota
+                                            for name, quota in cfg.tenant_quota_overrides().items()},
+                             tiers=self.tiers, ru_key=self.ru_key, clock=clock,
+                             # what this replica changes in the shared tiers, for the others
+                             changes=IndexChangeLog(), hot_files=self.hot_files, freeze_gc=freeze_gc)
+        self.peers = Peers(instance_id, heartbeat_interval_s, has_warm=self.warm is not None)
+        self.replicas = Replicas(self.core, self.peers, nc, instance_id, cfg.lease_s, clock=clock)
+        self.admin = PoolAdmin(self.core, self.peers)
+        self.handlers = PoolHandlers(self.core, self.admin, nc, self.handoff, self.host_id, clock, instance_id,
+                                     self.stream)
         self._subs: list = []
         self._tasks: list[asyncio.Task] = []
         self._join: asyncio.Task | None = None
-        self.serving = False  # answering the queue-group subjects (a joining replica waits for its rebuild)
 
     @property
     def rebuilding(self) -> bool:
         """True until the index has learned what warm and cold hold."""
-        return self.io.rebuilding
+        return self.core.index.rebuilding
 
     # --- lifecycle of the service ------------------------------------------------------------------------
     async def start(self, rt: ServiceRuntime | None = None) -> None:
@@ -124,9 +114,9 @@ class PoolService:
         if self.stream is not None:
             await self.stream.start(self.cfg.data_listen, self.cfg.data_advertise, _nats_host(rt.common.nats_url),
                                     _server_tls(self.cfg))
-        self.maintenance.start_rebuild()
+        self.core.maintenance.start_rebuild()
         # Worker events wait aside until the worker caches of a running replica are in (replicas.py).
-        self.core.hold_worker_events()
+        self.core.worker_events.hold()
         # What reaches every replica, from the start: the others' index changes and heartbeats, worker
         # events and fingerprints, and this replica's own subjects.
         self._subs = await rt.serve(*self.replicas.endpoints(), *self.handlers.own_endpoints())
@@ -140,12 +130,14 @@ class PoolService:
             self._join = asyncio.create_task(self._join_when_rebuilt(rt))
         else:
             self._subs += await rt.serve(*self.handlers.shared_endpoints())
-            self.serving = True
+            self.peers.serving = True
         self._tasks = [
             rt.every(self.replicas.lease.renew_interval_s, self.replicas.keep_lease, "ru-pool maintenance lease"),
-            rt.every(self.replicas.heartbeat_interval_s, self.replicas.watch_peers, "ru-pool replicas"),
+            rt.every(self.peers.heartbeat_interval_s, self.peers.watch, "ru-pool replicas"),
+            # waits for changes to send itself: back to back
+            rt.every(0.0, self.replicas.send_when_due, "index changes"),
             # the sweep waits for its interval itself (or for warm coming back): back to back
-            rt.every(0.0, self.maintenance.sweep_when_due, "lifecycle sweep"),
+            rt.every(0.0, self.core.maintenance.sweep_when_due, "lifecycle sweep"),
             # issue 4: how late the event loop runs (kite_pool_event_loop_lag_seconds)
             rt.every(0.0, probe_loop_lag, "event-loop lag probe"),
             # issue 5: tier health, fill and hit rates for the arbitrator, every KITE_TELEMETRY_INTERVAL_S
@@ -157,11 +149,11 @@ class PoolService:
                                         "hand-off folder sweep"))
 
     async def _join_when_rebuilt(self, rt: ServiceRuntime) -> None:
-        await self.maintenance.rebuilt.wait()
+        await self.core.maintenance.rebuilt.wait()
         self._subs += await rt.serve(*self.handlers.shared_endpoints())
-        self.serving = True
+        self.peers.serving = True
         log.info("joined the ru-pool queue group: index of %d blocks, %d workers' caches",
-                 self.core.num_blocks(), len(self.core.num_worker_blocks()))
+                 self.core.index.num_blocks(), len(self.core.workers.num_blocks()))
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Stop taking work, end the periodic work, let background writes finish (bounded), tell the
@@ -169,7 +161,7 @@ class PoolService:
         runtime's drain callback in the pool's process."""
         if self._join is not None and not self._join.done():
             self._join.cancel()
-        self.serving = False
+        self.peers.serving = False
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
@@ -178,7 +170,7 @@ class PoolService:
         self._subs = []
         await cancel_and_wait(self._tasks)
         self._tasks = []
-        unfinished = await self.background.finish(timeout_s)
+        unfinished = await self.core.background.finish(timeout_s)
         if unfinished:
             log.warning("stopped with %d background tier operations unfinished", unfinished)
         try:
@@ -194,7 +186,7 @@ class PoolService:
 
     async def drain_background(self) -> None:
         """Wait until no background tier operation is running (tests and benchmarks)."""
-        await self.background.drain()
+        await self.core.background.drain()
 
     # --- the parts' entry points, for tests, benchmarks and the telemetry -----------------------------------
     def stats(self, tenant_tag: str | None = None, exact_totals: bool = True,
@@ -202,10 +194,10 @@ class PoolService:
         return self.admin.stats(tenant_tag, exact_totals, with_tenants)
 
     def put_bytes(self, data: bytes) -> str:
-        return self.io.put_bytes(data)
+        return self.core.writes.put_bytes(data)
 
     async def sweep_once(self) -> None:
-        await self.maintenance.sweep_once()
+        await self.core.maintenance.sweep_once()
 
 
 def _nats_host(url: str) -> str:

@@ -2,8 +2,8 @@
 
 Boundary: pure bookkeeping over block identities (model tag, block hash) and sizes. It knows nothing of
 tiers, index entries or storage, and calls nothing of the pool: the block index (index.py) keeps the
-ledgers in step as blocks come and go, and the core (core.py) asks `quota_victims` which of a tenant's
-blocks to drop for a put and then drops them.
+ledgers in step as blocks come and go, and writes.PoolWrites asks `quota_victims` which of a tenant's
+blocks to drop for a put (the index lists the candidates) and then has catalog.Catalog drop them.
 
 Every block belongs to the tenant whose request computed it (its storage key and RU header name the
 tenant tag). The ledger counts each block once, whatever tiers hold it, so the figure survives promotion

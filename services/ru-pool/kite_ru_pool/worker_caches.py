@@ -2,8 +2,9 @@
 BlockStored / BlockRemoved events, so a routing lookup can say how long a prefix each worker would reuse.
 
 Boundary: pure and synchronous (callers pass `now`); it knows model tags and block hashes only, nothing
-of the pool's tiers or tenants, and calls nothing of the pool. The core (core.py) feeds it the events and
-asks it for prefix lengths in `lookup`.
+of the pool's tiers or tenants, and calls nothing of the pool: a lower layer. worker_events.WorkerEvents
+feeds it the events, reads.PoolReads asks it for prefix lengths in `lookup`, catalog.Catalog drops the
+blocks of cleared models, the replica layer exports and restores its snapshot.
 
 The events come over core NATS, at most once: a lost event makes a worker's prefix wrong until its next
 events. Each worker numbers its events (`seq`); a gap is reported to the caller (and counted), a worker
