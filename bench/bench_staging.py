@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from kite_worker.kv_agent import write_atomically
-from kite_worker.paged_layout import KV_ROWS, PagedLayer
-from kite_worker.staging_arena import ARENA_FILE, StagingArena
+from kite_worker.engines.vllm.kv_agent import write_atomically
+from kite_worker.engines.vllm.paged_layout import KV_ROWS, PagedLayer
+from kite_worker.engines.vllm.staging_arena import ARENA_FILE, StagingArena
 
 LAYERS, HEADS, BLOCK, HEAD_DIM = 30, 3, 32, 64
 

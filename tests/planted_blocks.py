@@ -13,8 +13,8 @@ from kite_shared.config import ModelConfig
 from kite_shared.fingerprint import block_hash_chain
 from kite_shared.messages import SamplingParams, TokenizedRequest
 from kite_shared.model_store import LocalModel, ModelIdentity, load_causal_lm, load_tokenizer
-from kite_worker.block_cache import BlockCache
-from kite_worker.engine import Engine, EngineOptions, NewBlock
+from kite_worker.engines.reference.block_cache import BlockCache
+from kite_worker.engines.reference.model import NewBlock, ReferenceModel, ReferenceOptions
 
 WRONG_ROPE_THETA = 10_000.0  # SmolLM2-135M's is 100,000
 
@@ -33,9 +33,9 @@ def wrong_numerics_blocks(local: LocalModel, cfg: ModelConfig, identity: ModelId
                           cache_salt: str = "") -> list[NewBlock]:
     """The full blocks of `prompt_ids` under `identity`'s hashes (with `cache_salt`: through the gateway,
     the tenant's derived salt), their KV computed with the wrong rope."""
-    engine = Engine(wrong_rope_model(local, cfg), load_tokenizer(local), identity, BlockCache(1 << 30),
-                    EngineOptions(block_size=cfg.block_size, storage_dtype=storage_dtype),
-                    local.max_context_tokens)
+    engine = ReferenceModel(wrong_rope_model(local, cfg), load_tokenizer(local), identity, BlockCache(1 << 30),
+                            ReferenceOptions(block_size=cfg.block_size, storage_dtype=storage_dtype),
+                            local.max_context_tokens)
     request = TokenizedRequest(
         request_id="planted", model=local.name, prompt_token_ids=prompt_ids, reuse=True,
         sampling=SamplingParams(max_tokens=1, temperature=0), model_fingerprint=identity.fingerprint_hex,

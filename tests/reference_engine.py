@@ -1,14 +1,15 @@
-"""Driving the reference engine (kite_worker.engine) through one request, as its scheduler does: the
-tests that compare reuse on and off, on the real model and on a tiny random one, share it."""
+"""Driving the reference engine's model (kite_worker.engines.reference.model) through one request, as its
+scheduler does: the tests that compare reuse on and off, on the real model and on a tiny random one, share
+it."""
 
 from __future__ import annotations
 
 from kite_shared.fingerprint import block_hash_chain
 from kite_shared.messages import SamplingParams, TokenizedRequest
-from kite_worker.engine import Engine, Sequence
+from kite_worker.engines.reference.model import ReferenceModel, Sequence
 
 
-def run(engine: Engine, ids: list[int], reuse: bool, max_tokens: int = 16, temperature: float = 0.0,
+def run(engine: ReferenceModel, ids: list[int], reuse: bool, max_tokens: int = 16, temperature: float = 0.0,
         seed: int | None = None) -> Sequence:
     """Prefill, keep the prompt's blocks, decode `max_tokens` (EOS ignored), keep the answer's blocks."""
     block_size = engine.options.block_size

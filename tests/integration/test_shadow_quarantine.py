@@ -17,7 +17,7 @@ from kite_shared.model_store import identity, load_tokenizer, prepare
 from kite_shared.security import ANONYMOUS_TENANT, ru_key, tenant_cache_salt
 from kite_shared.service import connect_nats
 from kite_shared.tiers.pool_client import PoolClient
-from kite_worker.pool_outbox import encode_block
+from kite_worker.engines.reference.pool_outbox import encode_block
 from tests.integration import http_chat
 from tests.integration.conftest import MODEL
 from tests.integration.http_chat import answer, cached

@@ -12,8 +12,9 @@ from kite_shared.config import ModelConfig, load
 from kite_shared.fingerprint import block_hash_chain
 from kite_shared.messages import SamplingParams, TokenizedRequest
 from kite_shared.model_store import identity, load_causal_lm, load_tokenizer, prepare
-from kite_worker.block_cache import BlockCache
-from kite_worker.engine import Engine, EngineOptions, RequestRejected
+from kite_worker.engines.base import RequestRejected
+from kite_worker.engines.reference.block_cache import BlockCache
+from kite_worker.engines.reference.model import ReferenceModel, ReferenceOptions
 from tests.lora_adapters import make_lora_adapters
 
 BLOCK = 16
@@ -33,14 +34,14 @@ def setup(tmp_path_factory):
     return local, base, served, load_tokenizer(local), load_causal_lm(local, cfg)
 
 
-def make_engine(setup) -> Engine:
+def make_engine(setup) -> ReferenceModel:
     local, base, served, tok, model = setup
-    return Engine(model, tok, base, BlockCache(1 << 30),
-                  EngineOptions(block_size=BLOCK, storage_dtype=torch.float16, prefill_chunk_tokens=512),
-                  local.max_context_tokens, adapters=served)
+    return ReferenceModel(model, tok, base, BlockCache(1 << 30),
+                          ReferenceOptions(block_size=BLOCK, storage_dtype=torch.float16, prefill_chunk_tokens=512),
+                          local.max_context_tokens, adapters=served)
 
 
-def request(engine: Engine, ids: list[int], adapter: str, reuse: bool) -> TokenizedRequest:
+def request(engine: ReferenceModel, ids: list[int], adapter: str, reuse: bool) -> TokenizedRequest:
     ident = engine.adapters[adapter].identity if adapter else engine.identity
     return TokenizedRequest(
         request_id="t", model="m", prompt_token_ids=ids, reuse=reuse, adapter=adapter,
@@ -49,7 +50,7 @@ def request(engine: Engine, ids: list[int], adapter: str, reuse: bool) -> Tokeni
         block_hashes=[bytes(h) for h in block_hash_chain(ids, BLOCK, ident.root)])
 
 
-def run(engine: Engine, ids: list[int], adapter: str, reuse: bool, stored: list | None = None):
+def run(engine: ReferenceModel, ids: list[int], adapter: str, reuse: bool, stored: list | None = None):
     seq = engine.new_sequence(request(engine, ids, adapter, reuse))
     while (token := engine.prefill_step(seq)) is None:
         pass
@@ -110,9 +111,10 @@ def test_an_adapter_loaded_at_run_time_answers_as_a_configured_one_also_after_a_
     ids = tok.apply_chat_template([{"role": "user", "content": "Which river flows through Paris?"}],
                                   add_generation_prompt=True, tokenize=True, return_dict=False)
     expected = {name: run(configured, ids, name, reuse=False).generated for name in ("", "alpha", "beta")}
-    engine = Engine(load_causal_lm(local, load(ModelConfig, engine="transformers", block_size=BLOCK)), tok, base,
-                    BlockCache(1 << 30), EngineOptions(block_size=BLOCK, storage_dtype=torch.float16,
-                                                       prefill_chunk_tokens=512), local.max_context_tokens)
+    engine = ReferenceModel(load_causal_lm(local, load(ModelConfig, engine="transformers", block_size=BLOCK)), tok,
+                            base, BlockCache(1 << 30),
+                            ReferenceOptions(block_size=BLOCK, storage_dtype=torch.float16, prefill_chunk_tokens=512),
+                            local.max_context_tokens)
     assert run(engine, ids, "", reuse=False).generated == expected[""]  # a plain model, no peft yet
     engine.add_adapter(served["alpha"])
     engine.add_adapter(served["beta"])

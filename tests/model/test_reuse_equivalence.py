@@ -11,9 +11,9 @@ import torch
 
 from kite_shared.config import ModelConfig, load
 from kite_shared.model_store import identity, load_causal_lm, load_tokenizer, prepare
-from kite_worker.block_cache import BlockCache
+from kite_worker.engines.reference.block_cache import BlockCache
 from kite_worker.codec_guard import guard_prompts
-from kite_worker.engine import Engine, EngineOptions
+from kite_worker.engines.reference.model import ReferenceModel, ReferenceOptions
 from kite_worker.shadow import first_token_divergence
 from tests.devices import DEVICES
 from tests.reference_engine import run
@@ -28,14 +28,15 @@ def parts():
     return local, identity(local, cfg), load_tokenizer(local), load_causal_lm(local, cfg)
 
 
-def make_engine(parts, storage_dtype: torch.dtype, model=None) -> Engine:
+def make_engine(parts, storage_dtype: torch.dtype, model=None) -> ReferenceModel:
     local, ident, tok, cpu_model = parts
-    return Engine(model or cpu_model, tok, ident, BlockCache(1 << 30),
-                  EngineOptions(block_size=BLOCK, storage_dtype=storage_dtype, keep_first_logits=True,
-                                prefill_chunk_tokens=512), local.max_context_tokens)
+    return ReferenceModel(model or cpu_model, tok, ident, BlockCache(1 << 30),
+                          ReferenceOptions(block_size=BLOCK, storage_dtype=storage_dtype, keep_first_logits=True,
+                                           prefill_chunk_tokens=512), local.max_context_tokens)
 
 
-def assert_equivalent(engine: Engine, ids: list[int], logits_tol: float | None, expect_cached: int | None = None):
+def assert_equivalent(engine: ReferenceModel, ids: list[int], logits_tol: float | None,
+                      expect_cached: int | None = None):
     off = run(engine, ids, reuse=False)
     on = run(engine, ids, reuse=True)
     assert on.generated == off.generated

@@ -13,9 +13,9 @@ from kite_shared.config import ModelConfig, load
 from kite_shared.fingerprint import block_hash_chain
 from kite_shared.messages import SamplingParams, StreamEnd, StreamError, TokenChunk, TokenizedRequest
 from kite_shared.model_store import identity, load_causal_lm, load_tokenizer, prepare
-from kite_worker.block_cache import BlockCache
-from kite_worker.engine import Engine, EngineOptions
-from kite_worker.scheduler import Scheduler
+from kite_worker.engines.reference.block_cache import BlockCache
+from kite_worker.engines.reference.model import ReferenceModel, ReferenceOptions
+from kite_worker.engines.reference.scheduler import Scheduler
 from kite_worker.shadow import DEFAULT_TOLERANCES, ShadowVerifier
 from tests.planted_blocks import wrong_numerics_blocks
 
@@ -36,14 +36,14 @@ class Harness:
     def __init__(self, setup, fraction: float = 1.0) -> None:
         cfg, local, ident, tok, model = setup
         self.cfg, self.local, self.identity, self.tok = cfg, local, ident, tok
-        self.engine = Engine(model, tok, ident, BlockCache(1 << 30),
-                             EngineOptions(block_size=BLOCK, storage_dtype=torch.float16), local.max_context_tokens)
+        self.engine = ReferenceModel(model, tok, ident, BlockCache(1 << 30),
+                                     ReferenceOptions(block_size=BLOCK, storage_dtype=torch.float16),
+                                     local.max_context_tokens)
         self.outcomes, self.ends, self.texts = [], {}, {}
         self.done = threading.Condition()
-        self.scheduler = Scheduler(self.engine, 4, 16, emit=self._emit, on_new_blocks=lambda blocks: None,
-                                   shadow=ShadowVerifier.for_storage_dtype(fraction, "float16"),
-                                   on_shadow=self._shadow, shadow_chunk_tokens=32)
-        self.scheduler.start()
+        self.scheduler = Scheduler(self.engine, 4, 16, shadow=ShadowVerifier.for_storage_dtype(fraction, "float16"),
+                                   shadow_chunk_tokens=32)
+        self.scheduler.start(emit=self._emit, on_new_blocks=lambda blocks: None, on_shadow=self._shadow)
 
     def _emit(self, subject, message) -> None:
         with self.done:

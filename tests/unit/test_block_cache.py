@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kite_worker.block_cache import BlockCache, CacheEvent
+from kite_worker.engines.reference.block_cache import BlockCache, CacheEvent
 
 BLOCK = torch.zeros(2, 2, 1, 16, 4, dtype=torch.float16)  # 512 bytes
 H = [bytes([i]) * 32 for i in range(6)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kite_worker.detokenize import IncrementalDetokenizer, StopStringMatcher
+from kite_worker.engines.reference.detokenize import IncrementalDetokenizer, StopStringMatcher
 
 
 def test_stop_string_split_across_deltas_is_never_released():

@@ -1,13 +1,13 @@
 """Every repository path the docs name exists (README.md and docs/*.md).
 
 A reader who follows a path the docs quote must find the file: a rules file, a test, a manifest. Checked:
-inline code that looks like a repository path (`deploy/k8s/base/ru-pool.yaml`, `kite_worker/engine.py`),
+inline code that looks like a repository path (`deploy/k8s/base/ru-pool.yaml`, `kite_worker/service.py`),
 paths under a top-level folder written as plain text (docs/config.md is generated from help strings that
 write them so), and the targets of relative Markdown links. Left out: URLs, absolute paths
 (`/dev/shm`, `/openapi.json`), home-relative ones (`~/.cache/kite`), variable assignments, image names.
 
 A path may be relative to the repository root, to its document's folder, to a package root (the docs
-write `kite_worker/engine.py` for services/worker/kite_worker/engine.py) or to deploy/k8s (docs/deploy.md's
+write `kite_worker/service.py` for services/worker/kite_worker/service.py) or to deploy/k8s (docs/deploy.md's
 Kubernetes section writes `overlays/prod/...`).
 """
 
@@ -78,12 +78,12 @@ def quoted_paths(doc: Path) -> list[tuple[int, str]]:
 
 def test_the_path_finder_sees_what_the_docs_write(tmp_path):
     doc = tmp_path / "x.md"
-    doc.write_text("Edit `deploy/k8s/base/ru-pool.yaml` and `kite_worker/engine.py [--flag]`; the default is\n"
+    doc.write_text("Edit `deploy/k8s/base/ru-pool.yaml` and `kite_worker/service.py [--flag]`; the default is\n"
                    "(deploy/arbitrator/rules.yaml), see [here](other.md#part). Not paths: `/dev/shm`,\n"
                    "`~/.cache/kite`, `https://x.io/a.py`, `registry.example.com/kite/worker-gpu:1.2`,\n"
                    "`KITE_X=a/b.pem`, `python -m kite_cli`.\n"
                    "```\nls services/none.py\n```\n")
-    assert quoted_paths(doc) == [(1, "deploy/k8s/base/ru-pool.yaml"), (1, "kite_worker/engine.py"),
+    assert quoted_paths(doc) == [(1, "deploy/k8s/base/ru-pool.yaml"), (1, "kite_worker/service.py"),
                                  (2, "deploy/arbitrator/rules.yaml"), (2, "other.md")]
 
 

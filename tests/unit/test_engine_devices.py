@@ -1,7 +1,7 @@
-"""The reference engine (kite_worker.engine) on every device (tests/devices.py), with a tiny Llama built
-from its config (random weights: no model package, nothing loaded): greedy answers with reuse on equal
-reuse off, kept blocks live in host memory whatever device computes, and seeded sampling draws on the
-host. The real model's equivalence, in more dtypes: tests/model/test_reuse_equivalence.py."""
+"""The reference engine's model (kite_worker.engines.reference.model) on every device (tests/devices.py), with
+a tiny Llama built from its config (random weights: no model package, nothing loaded): greedy answers with
+reuse on equal reuse off, kept blocks live in host memory whatever device computes, and seeded sampling
+draws on the host. The real model's equivalence, in more dtypes: tests/model/test_reuse_equivalence.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kite_shared.fingerprint import ExecutionPathFingerprint, KVLayout, ModelFingerprint, root_hash
 from kite_shared.model_store import ModelIdentity
-from kite_worker.block_cache import BlockCache
-from kite_worker.engine import Engine, EngineOptions
+from kite_worker.engines.reference.block_cache import BlockCache
+from kite_worker.engines.reference.model import ReferenceModel, ReferenceOptions
 from tests.devices import DEVICES
 from tests.reference_engine import run
 
@@ -33,14 +33,14 @@ class _Tokenizer:
         return " ".join(map(str, ids))
 
 
-def tiny_engine(device: str) -> Engine:
+def tiny_engine(device: str) -> ReferenceModel:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     model = LlamaForCausalLM(config).eval().to(device)
-    return Engine(model, _Tokenizer(), IDENTITY, BlockCache(1 << 26),
-                  EngineOptions(block_size=BLOCK, storage_dtype=torch.float32, keep_first_logits=True,
-                                prefill_chunk_tokens=16), max_context_tokens=256)
+    return ReferenceModel(model, _Tokenizer(), IDENTITY, BlockCache(1 << 26),
+                          ReferenceOptions(block_size=BLOCK, storage_dtype=torch.float32, keep_first_logits=True,
+                                           prefill_chunk_tokens=16), max_context_tokens=256)
 
 
 @pytest.mark.parametrize("device", DEVICES)

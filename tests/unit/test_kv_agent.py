@@ -9,8 +9,8 @@ import dataclasses
 import torch
 
 from kite_shared.fingerprint import BlockHash
-from kite_worker.kv_agent import AgentOptions, KVAgent, _FetchTicket
-from kite_worker.staging_arena import ARENA_FILE, StagingArena
+from kite_worker.engines.vllm.kv_agent import AgentOptions, KVAgent, _FetchTicket
+from kite_worker.engines.vllm.staging_arena import ARENA_FILE, StagingArena
 
 HASHES = [BlockHash(bytes([i]) * 32) for i in range(1, 5)]  # an all-zero tag is an empty slot
 UNIT_SHAPE = (2, 2, 1, 4, 8)  # 256 bytes in fp16
@@ -116,7 +116,7 @@ def test_slots_cleared_at_a_quarantine_are_not_reported_as_staged(tmp_path):
 def test_a_pending_fetch_answers_none_until_done_and_never_waits():
     from concurrent.futures import Future
 
-    from kite_worker.kv_agent import PendingFetch
+    from kite_worker.engines.vllm.kv_agent import PendingFetch
 
     future: Future = Future()
     fetch = PendingFetch(2, future, timeout_s=60)
@@ -145,8 +145,8 @@ def test_a_saved_block_becomes_a_unit_of_the_configured_codec(tmp_path):
     from kite_shared import kv_codec, recyclable_unit
     from kite_shared.tier_codecs import TierCodecs
     from kite_worker import codec_tensors
-    from kite_worker.kv_agent import ConnectorOptions
-    from kite_worker.kv_plan import SavedBlockInfo
+    from kite_worker.engines.vllm.kv_agent import ConnectorOptions
+    from kite_worker.engines.vllm.kv_plan import SavedBlockInfo
 
     block = torch.randn(UNIT_SHAPE).half()
     saved = tmp_path / "saved.bin"

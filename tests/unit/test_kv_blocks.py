@@ -4,7 +4,7 @@ every device (tests/devices.py) with its blocks in host memory."""
 import pytest
 import torch
 
-from kite_worker.kv_blocks import build_cache, extract_blocks
+from kite_worker.engines.reference.kv_blocks import build_cache, extract_blocks
 from tests.devices import DEVICES
 
 L, H, B, D = 3, 2, 4, 5
@@ -37,7 +37,7 @@ def test_a_built_cache_grows_like_any_other_and_round_trips_to_blocks():
 
 
 def test_growing_layers_append_in_place_and_grow_past_their_capacity():
-    from kite_worker.kv_blocks import GROWTH, new_cache
+    from kite_worker.engines.reference.kv_blocks import GROWTH, new_cache
 
     cache = new_cache(capacity=4)
     g = torch.Generator().manual_seed(1)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 from kite_shared.fingerprint import BlockHash
-from kite_worker.kv_connector import apply_kv_events
-from kite_worker.kv_plan import LocalBlockMirror
+from kite_worker.engines.vllm.kv_connector import apply_kv_events
+from kite_worker.engines.vllm.kv_plan import LocalBlockMirror
 
 KITE = [BlockHash(bytes([i + 1]) * 32) for i in range(4)]
 FP = "ab" * 32

@@ -1,4 +1,4 @@
-"""The vLLM connector's bookkeeping (kite_worker.kv_plan): which paged blocks load and save, step by step.
+"""The vLLM connector's bookkeeping (kite_worker.engines.vllm.kv_plan): which paged blocks load and save, step by step.
 
 Scenarios replay what vLLM's scheduler reports (block tables, computed and scheduled token counts) and
 assert the exact copies, with hashes from KITE's own chain."""
@@ -6,7 +6,7 @@ assert the exact copies, with hashes from KITE's own chain."""
 from __future__ import annotations
 
 from kite_shared.fingerprint import BlockHash, block_hash_chain
-from kite_worker.kv_plan import BlockCopy, KVPlanner, LocalBlockMirror, RequestParams
+from kite_worker.engines.vllm.kv_plan import BlockCopy, KVPlanner, LocalBlockMirror, RequestParams
 
 ROOT = BlockHash(bytes(range(32)))
 BASE_FP = bytes(ROOT).hex()

@@ -10,8 +10,8 @@ from kite_shared.fingerprint import (ExecutionPathFingerprint, KVLayout, ModelFi
                                      root_hash)
 from kite_shared.messages import GenerateRequest, SamplingParams, TokenizedRequest
 from kite_shared.model_store import ModelIdentity
-from kite_worker.detokenize import IncrementalDetokenizer, StopStringMatcher
-from kite_worker.engine import Sequence, _prime_resumed
+from kite_worker.engines.reference.detokenize import IncrementalDetokenizer, StopStringMatcher
+from kite_worker.engines.reference.model import Sequence, _prime_resumed
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, rope_theta=10000.0, rope_scaling="",
                   norm_eps=1e-5, block_size=4)

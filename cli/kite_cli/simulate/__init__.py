@@ -23,7 +23,7 @@ The model:
      is bound, the queue group when the chosen worker's queue is full, `max_queued`);
    - ru-pool: `kite_ru_pool.core.PoolCore`: the hot tier (`pool_hot_bytes`, its real LRU), an unbounded
      warm tier written through on every put, the per-worker cache index (BlockStored / BlockRemoved);
-   - workers: each a `kite_worker.block_cache.BlockCache` (`worker_cache_bytes`, LRU) whose events go
+   - workers: each a `kite_worker.engines.reference.block_cache.BlockCache` (`worker_cache_bytes`, LRU) whose events go
      to the pool's index, the pool loader's `CostModel.plan` deciding which of the pool's blocks to load,
      puts of every computed block (write-through, the default write policy), and a service time:
      prefill = computed tokens / `prefill_tokens_per_s` + the loads' `CostModel.fetch_seconds` (per

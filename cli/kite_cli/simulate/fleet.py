@@ -9,7 +9,7 @@ services drive it:
   an unbounded warm tier, fed the workers' BlockStored/BlockRemoved events and looked up by the router
   and the workers, as kite_ru_pool/service.py does (writes: `admit_put`, `reserve_quota`, `put_hot`; the
   index's `note_stored`; reads: `lookup`, `hot_get`; worker_events: `stored`, `removed`);
-- each worker's local cache: the transformers engine's `kite_worker.block_cache.BlockCache` (LRU under
+- each worker's local cache: the transformers engine's `kite_worker.engines.reference.block_cache.BlockCache` (LRU under
   a byte budget, stored/removed events drained by the caller), and the worker's load-or-recompute
   decision: `kite_worker.pool_loader.CostModel.plan`, seeded with this machine's tier bandwidths;
 - the arbitrator: `kite_arbitrator.core.ArbitratorCore` with the built-in rules, observing each worker's
@@ -37,7 +37,7 @@ from kite_ru_pool.index import HOT, WARM
 from kite_shared.messages import WorkerTelemetry
 from kite_shared.routing import RouteRequest, RoutingKnobs, WorkerState, choose
 from kite_shared.tiers.keys import BlockKey, model_tag
-from kite_worker.block_cache import BlockCache
+from kite_worker.engines.reference.block_cache import BlockCache
 from kite_worker.pool_loader import CostModel, TierEstimate
 
 from kite_cli.simulate.config import FleetConfig

@@ -37,7 +37,7 @@ WORKER_SIGNALS = {
     "running_tokens": "KV positions held by running requests",
     "prefill_backlog_tokens": "admitted prompt tokens not computed yet",
     # Each engine reports what it can see: vLLM does not say how much of its paged cache its prefix cache
-    # keeps, so a vLLM worker counts the KV of its generating requests (kite_worker/vllm_engine.py).
+    # keeps, so a vLLM worker counts the KV of its generating requests (kite_worker/engines/vllm/engine.py).
     "cache_fill": "vLLM: KV of requests past their first token / KITE_VLLM_KV_CACHE_GIB (0 when idle, "
                   "whatever the prefix cache keeps); reference engine: local block cache bytes / "
                   "KITE_WORKER_CACHE_BYTES (an LRU: near 1 once warm)",

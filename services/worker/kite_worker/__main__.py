@@ -3,8 +3,8 @@ also serve), the handler table, drain on SIGTERM.
 
 Everything the worker answers and runs is in `start_worker`; how each part works: kite_worker.service
 (admission, cancellation, stream events, drain), kite_worker.control (telemetry, arbitrator decisions),
-kite_worker.pool_outbox (new blocks and cache events for the ru-pool). Boundary: wires the others together;
-no worker module imports this one.
+kite_worker.engines (the engine KITE_ENGINE names, behind one contract). Boundary: wires the others
+together; no worker module imports this one.
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ from kite_shared.config import CommonConfig, ConfigError, ModelConfig, WorkerCon
 from kite_shared.endpoints import Endpoint
 from kite_shared.service import ServiceRuntime, exit_on_signal_until_connected, run_service
 from kite_worker import codec_guard
-from kite_worker.block_cache import BlockCache
-from kite_worker.engine import Engine, EngineOptions
+from kite_worker.engines import create_engine
 from kite_worker.service import LoadedModel, WorkerService
-from kite_worker.vllm_engine import VllmEngine
 
 
 def load_engine(model_cfg: ModelConfig, worker_cfg: WorkerConfig, instance_id: str) -> LoadedModel:
@@ -37,23 +35,8 @@ def load_engine(model_cfg: ModelConfig, worker_cfg: WorkerConfig, instance_id: s
     codec_guard.check(local, model_cfg, worker_cfg.kv_codec_min_agreement)
     served_adapters = adapters.load_configured(model_cfg, local, identity)
     load_adapter = adapters.loader(model_cfg, local, identity)
-    if model_cfg.engine == "vllm":
-        vllm_engine = VllmEngine(local, identity, model_cfg, worker_cfg, instance_id, served_adapters)
-        vllm_engine.start()
-        return LoadedModel(local, identity, vllm_engine, dict(served_adapters), load_adapter)
-    engine = Engine(
-        model=model_store.load_causal_lm(local, model_cfg),
-        tokenizer=model_store.load_tokenizer(local),
-        identity=identity,
-        block_cache=BlockCache(worker_cfg.cache_bytes),
-        options=EngineOptions(reuse=worker_cfg.reuse, block_size=model_cfg.block_size,
-                              storage_dtype=getattr(torch, model_cfg.kv_storage_dtype),
-                              prefill_chunk_tokens=worker_cfg.prefill_chunk_tokens,
-                              cache_generated=worker_cfg.cache_generated),
-        max_context_tokens=local.max_context_tokens,
-        adapters=served_adapters,
-    )
-    return LoadedModel(local, identity, engine, served_adapters, load_adapter)
+    engine = create_engine(local, identity, served_adapters, model_cfg, worker_cfg, instance_id)
+    return LoadedModel(local, identity, engine, load_adapter)
 
 
 async def start_worker(rt: ServiceRuntime, loaded: LoadedModel, cfg: WorkerConfig) -> WorkerService:
@@ -75,11 +58,11 @@ async def start_worker(rt: ServiceRuntime, loaded: LoadedModel, cfg: WorkerConfi
     # Rounds that wait for their own work (a message due, a stream event, a block), run until shutdown.
     rt.every(0, worker.control.publish_when_due, "worker telemetry")
     rt.every(0, worker.publish_next_stream_event, "publishing stream events")
-    rt.every(0, worker.outbox.put_next_block, "handing new blocks to the ru-pool")
-    rt.every(0, worker.outbox.publish_next_cache_events, "publishing cache events to the ru-pool")
+    for engine_round, name in loaded.engine.rounds():
+        rt.every(0, engine_round, name)
     rt.on_drain(worker.drain)
     # Adapters loaded at run time before this worker started (KITE_ADAPTERS wins).
-    await load_stored_adapters(rt.nc, loaded.adapters, worker.adapter_admin)
+    await load_stored_adapters(rt.nc, loaded.engine.adapters, worker.adapter_admin)
     await worker.control.start()  # takes requests, unless standing by (KITE_WORKER_STANDBY)
     return worker
 

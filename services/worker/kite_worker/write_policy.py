@@ -6,20 +6,28 @@ selective      only blocks seen in two requests' prompts: a block computed once 
 off            nothing.
 
 Set by KITE_WORKER_WRITE_POLICY, then by the arbitrator's `write_policy` decisions (kite_worker.control).
-Boundary: block hashes and blocks in, blocks out; no NATS, no engine. Thread-safe: `filter` runs on the
-engine thread, `seen` and `set_policy` on the asyncio thread.
+The reference engine filters its new blocks (`filter`, `seen`); vLLM's connector saves as many leading
+blocks as `num_leading_to_write` says. Boundary: block hashes and blocks in, blocks out; no NATS, no
+engine. Thread-safe: `filter` runs on the engine thread, `seen` and `set_policy` on the asyncio thread.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
+from kite_shared.fingerprint import BlockHash
 from kite_shared.messages import WRITE_POLICIES
 
-if TYPE_CHECKING:
-    from kite_worker.engine import NewBlock
+
+class Block(Protocol):
+    """A newly computed block, as the policy sees it (the reference engine's NewBlock)."""
+
+    block_hash: BlockHash
+
+
+B = TypeVar("B", bound=Block)
 
 _SEEN_BLOCKS = 65536  # block hashes remembered for the selective policy
 _HELD_BLOCKS = 4096  # computed-once blocks held back (they share tensors with the local cache)
@@ -32,7 +40,7 @@ class WritePolicyFilter:
         self.policy = policy
         self._lock = threading.Lock()
         self._seen: OrderedDict[bytes, int] = OrderedDict()  # block hash -> requests whose prompt had it
-        self._held: OrderedDict[bytes, "NewBlock"] = OrderedDict()
+        self._held: OrderedDict[bytes, Block] = OrderedDict()
 
     def set_policy(self, policy: str) -> None:
         if policy not in WRITE_POLICIES:
@@ -42,7 +50,7 @@ class WritePolicyFilter:
             if policy != "selective":
                 self._held.clear()
 
-    def seen(self, block_hashes: list[bytes]) -> list["NewBlock"]:
+    def seen(self, block_hashes: list[bytes]) -> list[Block]:
         """A request's prompt blocks; returns held-back blocks that are now seen twice (to write)."""
         release = []
         with self._lock:
@@ -70,7 +78,7 @@ class WritePolicyFilter:
                 count += 1
             return count
 
-    def filter(self, blocks: list["NewBlock"]) -> list["NewBlock"]:
+    def filter(self, blocks: list[B]) -> list[B]:
         with self._lock:
             if self.policy == "write_through":
                 return blocks

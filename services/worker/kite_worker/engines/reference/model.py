@@ -1,11 +1,14 @@
-"""Model execution with Upcycle reuse: inject cached prefix KV, compute only the rest, keep new blocks.
+"""The reference engine's model execution with Upcycle reuse: inject cached prefix KV, compute only the
+rest, keep new blocks.
 
-Boundary: the engine knows the model, the tokenizer and the worker-local `BlockCache`; it knows nothing
-of NATS or threads (the scheduler drives it, one call at a time, from one thread).
+Boundary: `ReferenceModel` knows the model, the tokenizer and the worker-local `BlockCache`; it knows
+nothing of NATS or threads (the engine's scheduler, scheduler.py, drives it one call at a time from one
+thread; the tests drive it directly).
 
 Prefill of a request:
-  1. verify the fingerprinter's block hashes against our own model identity and the token ids (a wrong
-     hash would poison the cache, so the worker never trusts them blindly; recomputing costs < 1 ms);
+  1. verify the fingerprinter's block hashes against our own model identity and the token ids
+     (kite_worker.engines.admission: a wrong hash would poison the cache, so the worker never trusts them
+     blindly; recomputing costs < 1 ms);
   2. find the longest run of leading blocks in the local cache (after inserting the blocks the pool loader
      fetched for this request, `Sequence.prefetched`); reuse at most len(prompt) - 1 tokens, so the last
      prompt token is always computed and its logits exist (a full-prompt hit crops the last block);
@@ -36,20 +39,13 @@ from kite_shared.fingerprint import BlockHash, block_hash_chain
 from kite_shared.messages import TokenizedRequest
 from kite_shared.model_store import ModelIdentity
 from kite_shared.security import tenant_tag
-from kite_worker.block_cache import BlockCache
-from kite_worker.detokenize import IncrementalDetokenizer, StopStringMatcher
-from kite_worker.kv_blocks import INITIAL_SPARE_POSITIONS, build_cache, extract_blocks, new_cache
-from kite_worker.sampling import make_generator, sample
+from kite_worker.engines.admission import identity_of, validate_request
+from kite_worker.engines.reference.block_cache import BlockCache
+from kite_worker.engines.reference.detokenize import IncrementalDetokenizer, StopStringMatcher
+from kite_worker.engines.reference.kv_blocks import INITIAL_SPARE_POSITIONS, build_cache, extract_blocks, new_cache
+from kite_worker.engines.reference.sampling import make_generator, sample
 
 log = logging.getLogger(__name__)
-
-
-class RequestRejected(ValueError):
-    """The request cannot be run as sent (e.g. fingerprint mismatch); carries an error code."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass
@@ -100,7 +96,9 @@ class Sequence:
 
 
 @dataclass(frozen=True)
-class EngineOptions:
+class ReferenceOptions:
+    """The reference engine's settings (KITE_REUSE, KITE_BLOCK_SIZE, KITE_KV_STORAGE_DTYPE, ...)."""
+
     reuse: bool = True  # deployment switch (KITE_REUSE)
     block_size: int = 16
     storage_dtype: torch.dtype = torch.float32  # KITE_KV_STORAGE_DTYPE resolved: the compute dtype
@@ -109,9 +107,11 @@ class EngineOptions:
     keep_first_logits: bool = False  # for equivalence tests
 
 
-class Engine:
+class ReferenceModel:
+    """A transformers causal LM (a peft model when it serves adapters) run one sequence step at a time."""
+
     def __init__(self, model, tokenizer, identity: ModelIdentity, block_cache: BlockCache,
-                 options: EngineOptions, max_context_tokens: int,
+                 options: ReferenceOptions, max_context_tokens: int,
                  adapters: dict[str, Adapter] | None = None) -> None:
         self.adapters = dict(adapters or {})  # served now; the peft model may hold unloaded ones too
         self.model = attach_adapters(model, self.adapters)
@@ -342,38 +342,6 @@ def attach_adapters(model, adapters: dict[str, Adapter]):
         model.load_adapter(str(adapter.path), adapter_name=adapter.name, is_trainable=False)
     model.eval()
     return model
-
-
-def identity_of(request: TokenizedRequest, base: ModelIdentity, adapters: dict[str, Adapter]) -> ModelIdentity:
-    """The identity a request runs under: its adapter's, or the base's; raises RequestRejected when this
-    worker does not serve its adapter (it was unloaded, or never loaded here)."""
-    if not request.adapter:
-        return base
-    if request.adapter not in adapters:
-        raise RequestRejected("model_not_found", f"this worker does not serve the adapter {request.adapter!r}")
-    return adapters[request.adapter].identity
-
-
-def validate_request(request: TokenizedRequest, identity: ModelIdentity, block_size: int,
-                     max_context_tokens: int) -> list[BlockHash]:
-    """The request's block hashes, recomputed here; raises RequestRejected when the request cannot run.
-
-    A worker never trusts the fingerprinter's hashes blindly: a wrong hash would poison the cache for
-    everyone, and recomputing the chain costs well under a millisecond."""
-    if request.model_fingerprint != identity.fingerprint_hex:
-        raise RequestRejected(
-            "model_mismatch", "the fingerprinter and this worker disagree on the model fingerprint")
-    if request.block_size != block_size:
-        raise RequestRejected("model_mismatch", "block size differs between fingerprinter and worker")
-    prompt = request.prompt_token_ids
-    if not prompt:
-        raise RequestRejected("invalid_prompt", "the prompt has no tokens")
-    if len(prompt) + (request.sampling.max_tokens or 0) > max_context_tokens:
-        raise RequestRejected("context_length_exceeded", "prompt plus max_tokens exceed the context")
-    hashes = block_hash_chain(prompt, block_size, identity.root, request.cache_salt)
-    if [bytes(h) for h in hashes] != list(request.block_hashes):
-        raise RequestRejected("fingerprint_mismatch", "block hashes do not match the prompt tokens")
-    return hashes
 
 
 def _prime_resumed(seq: Sequence) -> None:

@@ -6,8 +6,9 @@ cache (`add_cache_events`) without ever waiting; two rounds that the runtime run
 rather than slowing generation (the local cache still has them). The drain waits for `flush`.
 
 Boundary: the pool client and the write policy in (each block and event names its model fingerprint:
-the base's or an adapter's); no scheduler, no engine. (On
-vLLM the KV connector saves blocks and reports cache events itself, inside vLLM's processes.)
+the base's or an adapter's); no scheduler, no model: the reference engine (engine.py) feeds it and
+lists its two rounds in `Engine.rounds`. (vLLM's KV connector saves blocks and reports cache events
+itself, inside vLLM's processes.)
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from kite_shared.security import ru_key
 from kite_shared.tier_codecs import TierCodecs
 from kite_shared.tiers.pool_client import PoolClient
 from kite_worker import codec_tensors
-from kite_worker.block_cache import CacheEvent
-from kite_worker.engine import NewBlock
+from kite_worker.engines.reference.block_cache import CacheEvent
+from kite_worker.engines.reference.model import NewBlock
 from kite_worker.write_policy import WritePolicyFilter
 
 POOL_DROPPED = Counter("kite_worker_pool_blocks_dropped_total",

@@ -1,6 +1,6 @@
-"""The worker's generation loop: admits requests, interleaves them step by step, emits stream events.
+"""The reference engine's generation loop: admits requests, interleaves them step by step, emits stream events.
 
-Runs the engine on one dedicated thread (torch releases the GIL, so the asyncio thread keeps serving NATS).
+Runs the model on one dedicated thread (torch releases the GIL, so the asyncio thread keeps serving NATS).
 Each iteration gives every running sequence one step: a prefill chunk or one decode token. Up to
 `max_running` sequences run at once; the rest wait in FIFO order, up to `max_queued`, beyond which
 `submit` refuses with code "overloaded" so the gateway can answer 503 at once instead of queueing into
@@ -9,8 +9,8 @@ comes from more worker replicas); interleaving keeps every stream moving and bou
 for short prompts behind long ones.
 
 Admission is two-step: `reserve` validates a request and takes a queue place at once (so the gateway
-hears "accepted" or "overloaded" immediately); the worker may then load prefix blocks from the ru-pool
-onto the Sequence, and `enqueue` hands it to the engine thread.
+hears "accepted" or "overloaded" immediately); the reference engine (engine.py) may then load prefix
+blocks from the ru-pool onto the Sequence, and `enqueue` hands it to the engine thread.
 
 Shadow verification (kite_worker.shadow): a sampled request that reused KV keeps its first-token logits
 and is queued as a check after its prefill; once no request has waited or run for `shadow_idle_s`, the
@@ -18,9 +18,10 @@ loop recomputes the oldest check a small chunk at a time (a request arriving mea
 chunk) and hands the outcome to `on_shadow(outcome)`. A quarantined model fingerprint (`quarantine`) drops its local blocks and its
 requests run without reuse.
 
-Boundary: knows the engine and its callbacks (`emit(subject, message)` for stream events,
-`on_new_blocks(blocks)` for the ru-pool, `on_cache_events(events)` for the pool's index, `on_shadow`);
-no NATS here.
+Boundary: knows the model (model.py) and the callbacks given at `start` (`emit(subject, message)` for
+stream events, `on_new_blocks(blocks)` for the ru-pool, `on_cache_events(events)` for the pool's index,
+`on_shadow`); no NATS here: the reference engine (engine.py) wires it to the worker, and the model tests
+drive it with plain callbacks.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from typing import Any, Callable
 
 from kite_shared.messages import (ErrorInfo, Message, StreamEnd, StreamError, TokenChunk,
                                   TokenizedRequest, Usage)
-from kite_worker.block_cache import CacheEvent
-from kite_worker.engine import Engine, NewBlock, RequestRejected, Sequence
+from kite_worker.engines.base import RequestRejected
+from kite_worker.engines.reference.block_cache import CacheEvent
+from kite_worker.engines.reference.model import NewBlock, ReferenceModel, Sequence
 from kite_worker.shadow import ShadowCheck, ShadowOutcome, ShadowVerifier
 
 log = logging.getLogger(__name__)
@@ -60,13 +62,12 @@ class _Stream:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, max_running: int, max_queued: int, emit: EmitFn,
-                 on_new_blocks: BlocksFn, on_cache_events: CacheEventsFn | None = None,
-                 shadow: ShadowVerifier | None = None, on_shadow: ShadowFn | None = None,
-                 shadow_chunk_tokens: int = 32, shadow_idle_s: float = 0.2) -> None:
-        self.engine = engine
+    def __init__(self, model: ReferenceModel, max_running: int, max_queued: int,
+                 shadow: ShadowVerifier | None = None, shadow_chunk_tokens: int = 32,
+                 shadow_idle_s: float = 0.2) -> None:
+        self.model = model
         self.shadow = shadow
-        self._on_shadow = on_shadow
+        self._on_shadow: ShadowFn | None = None
         self.shadow_chunk_tokens = shadow_chunk_tokens
         # Shadow work starts only after this long without a request: a client that sends its next request
         # as soon as the last answer arrives (a pipeline, an agent) would otherwise land in a chunk.
@@ -77,9 +78,9 @@ class Scheduler:
         self._engine_calls: list[tuple[Callable[[], Any], Future]] = []  # call_on_engine_thread
         self.max_running = max_running
         self.max_queued = max_queued
-        self._emit = emit
-        self._on_new_blocks = on_new_blocks
-        self._on_cache_events = on_cache_events
+        self._emit: EmitFn | None = None
+        self._on_new_blocks: BlocksFn | None = None
+        self._on_cache_events: CacheEventsFn | None = None
         self._reserved: dict[str, _Stream] = {}  # admitted, waiting for their pool blocks
         self._waiting: deque[_Stream] = deque()
         self._running: list[_Stream] = []
@@ -91,7 +92,13 @@ class Scheduler:
 
     # --- called from the asyncio thread -------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, emit: EmitFn, on_new_blocks: BlocksFn, on_cache_events: CacheEventsFn | None = None,
+              on_shadow: ShadowFn | None = None) -> None:
+        """Start the engine thread, its outputs going to these callbacks (called from that thread)."""
+        self._emit = emit
+        self._on_new_blocks = on_new_blocks
+        self._on_cache_events = on_cache_events
+        self._on_shadow = on_shadow
         self._thread.start()
 
     @property
@@ -117,7 +124,7 @@ class Scheduler:
 
     def reserve(self, request: TokenizedRequest) -> Sequence:
         """Validate a request and take a queue place, or raise RequestRejected (bad, "overloaded")."""
-        seq = self.engine.new_sequence(request)
+        seq = self.model.new_sequence(request)
         with self._lock:
             if self._stopped:
                 raise RequestRejected("shutting_down", "this worker is draining")
@@ -163,9 +170,9 @@ class Scheduler:
         are dropped by the engine thread before its next step."""
         with self._lock:
             if quarantined:
-                self.engine.quarantined.add(model_fingerprint)
+                self.model.quarantined.add(model_fingerprint)
             else:
-                self.engine.quarantined.discard(model_fingerprint)
+                self.model.quarantined.discard(model_fingerprint)
             self._quarantine_changes.append((model_fingerprint, quarantined))
             self._lock.notify()
 
@@ -232,7 +239,7 @@ class Scheduler:
                     future.set_exception(exc)
             for model_fingerprint, quarantined in changes:
                 if quarantined:
-                    dropped = self.engine.block_cache.drop_model(model_fingerprint)
+                    dropped = self.model.block_cache.drop_model(model_fingerprint)
                     log.warning("namespace %s quarantined: %d local blocks dropped, its requests reuse "
                                 "nothing", model_fingerprint[:16], dropped)
             for stream in running:
@@ -249,7 +256,7 @@ class Scheduler:
             elif self._shadow_work() and time.monotonic() - self._busy_at >= self.shadow_idle_s \
                     and not self._reserved:
                 self._shadow_step()
-            events = self.engine.block_cache.take_events()
+            events = self.model.block_cache.take_events()
             if events and self._on_cache_events is not None:
                 self._on_cache_events(events)
 
@@ -262,16 +269,16 @@ class Scheduler:
         """One chunk of the current check's recomputation; judge it once its prompt is done."""
         if self._shadow_seq is None:
             check = self.shadow.take()
-            if check.model_fingerprint in self.engine.quarantined:
+            if check.model_fingerprint in self.model.quarantined:
                 return  # the namespace is already judged: its blocks are gone
             try:
-                self._shadow_seq = (check, self.engine.shadow_sequence(check.request))
+                self._shadow_seq = (check, self.model.shadow_sequence(check.request))
             except RequestRejected as exc:
                 log.info("shadow check of %s skipped: %s", check.request.request_id, exc)
                 return
         check, seq = self._shadow_seq
         try:
-            if self.engine.prefill_step(seq, self.shadow_chunk_tokens) is None:
+            if self.model.prefill_step(seq, self.shadow_chunk_tokens) is None:
                 return
             outcome = self.shadow.judge(check, seq.first_token_logits)
         except Exception:
@@ -285,7 +292,7 @@ class Scheduler:
     def _step(self, stream: _Stream) -> None:
         seq = stream.seq
         if seq.prefilling:
-            token = self.engine.prefill_step(seq)
+            token = self.model.prefill_step(seq)
             if token is None:
                 return
             self.ttft_samples.append(time.monotonic() - seq.admitted_at)
@@ -294,17 +301,17 @@ class Scheduler:
                 self.shadow.offer(ShadowCheck(seq.request, seq.identity.fingerprint_hex, seq.num_cached_tokens,
                                               reused_logits=seq.first_token_logits))
             # After the first token is on its way: packaging never delays time to first token.
-            new_blocks = self.engine.store_prompt_blocks(seq)
+            new_blocks = self.model.store_prompt_blocks(seq)
             if new_blocks:
                 self._on_new_blocks(new_blocks)
         else:
-            finished = self._accept(stream, self.engine.decode_step(seq))
+            finished = self._accept(stream, self.model.decode_step(seq))
         if finished:
             self._finish(stream, seq.finish_reason or "stop")
 
     def _accept(self, stream: _Stream, token: int) -> bool:
         seq = stream.seq
-        text, finished = self.engine.accept_token(seq, token)
+        text, finished = self.model.accept_token(seq, token)
         if finished:
             # The last text and token travel in StreamEnd, so the stream closes in one message.
             seq.final_text = text
@@ -318,7 +325,7 @@ class Scheduler:
         seq = stream.seq
         self._remove(stream)
         if reason != "cancelled":
-            new_blocks = self.engine.store_generated_blocks(seq)
+            new_blocks = self.model.store_generated_blocks(seq)
             if new_blocks:
                 self._on_new_blocks(new_blocks)
         seq.cache = None  # free the KV now, not when the Sequence object is collected

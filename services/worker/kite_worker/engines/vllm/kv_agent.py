@@ -46,9 +46,9 @@ from kite_shared.tier_codecs import TierCodecs
 from kite_shared.tiers.client import TierClient
 from kite_shared.tiers.pool_client import DEFAULT_KEEP_MAPPED_BYTES, PoolClient
 from kite_worker import codec_tensors
-from kite_worker.kv_plan import SavedBlockInfo
+from kite_worker.engines.vllm.kv_plan import SavedBlockInfo
 from kite_worker.pool_loader import CostModel, PoolLoader
-from kite_worker.staging_arena import ARENA_FILE, StagingArena
+from kite_worker.engines.vllm.staging_arena import ARENA_FILE, StagingArena
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """KITE's vLLM KV connector: vLLM's paged KV cache gains the ru-pool's tiers (the way LMCache plugs in).
 
-vLLM loads it from `kv_transfer_config` (`kv_connector_module_path="kite_worker.kv_connector"`) and makes
-two instances:
+vLLM loads it from `kv_transfer_config` (`kv_connector_module_path`: model.KV_CONNECTOR_MODULE, this
+module) and makes two instances:
 - role SCHEDULER, in the engine-core process: for each new request, after vLLM's own prefix-cache hit,
   asks the ru-pool (through `KVAgent`) for the following blocks and reports how many tokens they cover
   (`get_num_new_matched_tokens`). The fetch runs on the agent's thread: until it has staged the blocks
@@ -25,7 +25,7 @@ translates them into KITE block hashes (`LocalBlockMirror`) and the agent announ
 index, which cache-aware routing reads. An evicted prefix stops attracting requests to this worker.
 
 Requests carry KITE's decisions in `kv_transfer_params["kite"]` (kv_plan.RequestParams), set by the
-worker's front end (vllm_engine.py); a request without them is served by vLLM alone. A LoRA adapter's
+worker's front end (engine.py); a request without them is served by vLLM alone. A LoRA adapter's
 request names the adapter's model fingerprint there: its blocks are hashed, fetched, saved and announced
 under the adapter's root, never the base's (vLLM's own hashes of them include the adapter too).
 
@@ -57,11 +57,11 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from kite_shared.config import CommonConfig, load
 from kite_shared.fingerprint import BlockHash
 from kite_shared.service import setup_package_logging
-from kite_worker.kv_agent import (AgentOptions, ConnectorOptions, KVAgent, PendingFetch, kv_events_endpoint,
-                                  save_path, write_atomically)
-from kite_worker.kv_plan import PARAMS_KEY, KVPlanner, LocalBlockMirror, RequestParams
-from kite_worker.paged_layout import PagedCache, kv_split_of
-from kite_worker.staging_arena import ARENA_FILE, StagingArena
+from kite_worker.engines.vllm.kv_agent import (AgentOptions, ConnectorOptions, KVAgent, PendingFetch,
+                                               kv_events_endpoint, save_path, write_atomically)
+from kite_worker.engines.vllm.kv_plan import PARAMS_KEY, KVPlanner, LocalBlockMirror, RequestParams
+from kite_worker.engines.vllm.paged_layout import PagedCache, kv_split_of
+from kite_worker.engines.vllm.staging_arena import ARENA_FILE, StagingArena
 
 if TYPE_CHECKING:
     import numpy
