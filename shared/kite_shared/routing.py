@@ -28,12 +28,25 @@ The algorithm (starting points: Dynamo's KV router cost and SGLang's cache-aware
 5. Fallback: no pool answer (timeout, no ru-pool) -> least-loaded (fewest requests, then fewest running
    tokens), after session affinity. Modes `least_loaded` and `round_robin` skip steps 2-4 (round robin
    exists to measure what cache awareness buys, bench/bench_routing.py).
+
+Cost per decision (issue 38): the candidates are a `Candidates`, kept as workers report (not rebuilt per
+decision), with heaps by load and a count of workers per request count, so a decision touches only the
+workers holding some of the prefix (the pool lookup names them) and the least-loaded non-holders. That is
+the decision costing every candidate makes: a non-holder's cost depends only on its load and on whether it
+reads the pool (its prefill term is the same for all of its kind), and with load_weight > 0 it does not
+fall as the load grows, so among non-holders of a kind the ones at the least load come first; the scan in
+load order goes on while the rounded cost equals the first one's, so the tie-break (fewer requests, then
+the name) sees every tied worker. With load_weight <= 0 every candidate is costed, as before. The code
+before this, kept as tests/routing_oracles.py, decides the same on seeded fleets
+(tests/unit/test_routing_equivalence.py); bench/bench_routing_scale.py times both.
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -77,14 +90,20 @@ class RouteChoice:
     costs: dict[str, float] = field(default_factory=dict)
 
 
+def _tokens(w: WorkerState) -> int:
+    return w.running_tokens + w.backlog_tokens + w.pending_tokens
+
+
 def _least_loaded(workers: Sequence[WorkerState]) -> WorkerState:
-    return min(workers, key=lambda w: (w.requests, w.running_tokens + w.backlog_tokens + w.pending_tokens,
-                                       w.worker_id))
+    return min(workers, key=lambda w: (w.requests, _tokens(w), w.worker_id))
 
 
 def imbalanced(workers: Sequence[WorkerState], knobs: RoutingKnobs) -> bool:
     loads = [w.requests for w in workers]
-    hi, lo = max(loads), min(loads)
+    return _imbalanced(max(loads), min(loads), knobs)
+
+
+def _imbalanced(hi: int, lo: int, knobs: RoutingKnobs) -> bool:
     return hi - lo > knobs.balance_abs and hi > knobs.balance_rel * lo
 
 
@@ -99,23 +118,167 @@ def cost(w: WorkerState, req: RouteRequest, knobs: RoutingKnobs) -> float:
     return knobs.affinity_weight * prefill + knobs.load_weight * load
 
 
-def choose(workers: Sequence[WorkerState], req: RouteRequest, knobs: RoutingKnobs = RoutingKnobs(),
+class Candidates:
+    """The candidate workers' states, updated one worker at a time (`put`, `remove`), indexed for
+    `choose`: ids in order (round robin), a count of workers per request count (the balance guard's
+    minimum and maximum), a heap by (requests, tokens, id) (least loaded) and, per kind (reads the pool
+    or not), a heap by (tokens, requests, id) (the least-loaded non-holders). Heap entries are left in
+    place when a worker changes and skipped when read (their key no longer the worker's); a heap is
+    rebuilt when stale entries outnumber live ones. Pure; not thread-safe."""
+
+    def __init__(self, states: Sequence[WorkerState] = ()) -> None:
+        self._states: dict[str, WorkerState] = {}
+        self._ids: list[str] = []
+        self._num_by_requests: dict[int, int] = {}
+        self._least: list[tuple[int, int, str]] = []
+        self._by_load: dict[bool, list[tuple[int, int, str]]] = {True: [], False: []}
+        for s in states:
+            self.put(s)
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __bool__(self) -> bool:
+        return bool(self._states)
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._states
+
+    def __iter__(self) -> Iterator[WorkerState]:
+        """The states in worker id order."""
+        return (self._states[i] for i in self._ids)
+
+    def get(self, worker_id: str) -> WorkerState | None:
+        return self._states.get(worker_id)
+
+    def put(self, s: WorkerState) -> None:
+        """`s` is now its worker's state (a new candidate, or one whose numbers changed)."""
+        old = self._states.get(s.worker_id)
+        if old == s:
+            return
+        self._states[s.worker_id] = s
+        requests, tokens = s.requests, _tokens(s)
+        if old is None:
+            bisect.insort(self._ids, s.worker_id)
+        else:
+            self._uncount(old.requests)
+        self._num_by_requests[requests] = self._num_by_requests.get(requests, 0) + 1
+        if old is None or (old.requests, _tokens(old)) != (requests, tokens):
+            self._push(self._least, (requests, tokens, s.worker_id))
+        if old is None or (_tokens(old), old.requests, old.reads_pool) != (tokens, requests, s.reads_pool):
+            self._push(self._by_load[s.reads_pool], (tokens, requests, s.worker_id))
+
+    def remove(self, worker_id: str) -> None:
+        """`worker_id` is no longer a candidate (no-op if it was not one)."""
+        old = self._states.pop(worker_id, None)
+        if old is None:
+            return
+        del self._ids[bisect.bisect_left(self._ids, worker_id)]
+        self._uncount(old.requests)
+
+    def least_loaded(self) -> WorkerState:
+        """Fewest requests, then fewest tokens, then the name (the candidates must not be empty)."""
+        heap, states = self._least, self._states
+        while True:
+            requests, tokens, worker_id = heap[0]
+            s = states.get(worker_id)
+            if s is not None and s.requests == requests and _tokens(s) == tokens:
+                return s
+            heapq.heappop(heap)
+
+    def imbalanced(self, knobs: RoutingKnobs) -> bool:
+        counts = self._num_by_requests  # as many keys as distinct request counts: a few dozen at most
+        return _imbalanced(max(counts), min(counts), knobs)
+
+    def by_load(self, reads_pool: bool) -> Iterator[WorkerState]:
+        """The candidates of one kind in (tokens, requests, id) order, read off the heap without popping
+        it (a second heap of positions holds the frontier): k workers cost O(k log k)."""
+        heap, states = self._by_load[reads_pool], self._states
+        if not heap:
+            return
+        frontier = [(heap[0], 0)]
+        num = len(heap)
+        while frontier:
+            entry, at = heapq.heappop(frontier)
+            for child in (2 * at + 1, 2 * at + 2):
+                if child < num:
+                    heapq.heappush(frontier, (heap[child], child))
+            tokens, requests, worker_id = entry
+            s = states.get(worker_id)
+            if (s is not None and s.reads_pool == reads_pool and s.requests == requests
+                    and _tokens(s) == tokens):
+                yield s
+
+    def _uncount(self, requests: int) -> None:
+        left = self._num_by_requests[requests] - 1
+        if left:
+            self._num_by_requests[requests] = left
+        else:
+            del self._num_by_requests[requests]
+
+    def _push(self, heap: list, entry: tuple) -> None:
+        heapq.heappush(heap, entry)
+        if len(heap) > 2 * len(self._states) + 64:  # mostly stale: rebuild from the live states
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        states = self._states.values()
+        self._least = [(s.requests, _tokens(s), s.worker_id) for s in states]
+        heapq.heapify(self._least)
+        for kind in (True, False):
+            heap = [(_tokens(s), s.requests, s.worker_id) for s in states if s.reads_pool == kind]
+            heapq.heapify(heap)
+            self._by_load[kind] = heap
+
+
+def choose(workers: Sequence[WorkerState] | Candidates, req: RouteRequest, knobs: RoutingKnobs = RoutingKnobs(),
            mode: str = "cache_aware", rr_counter: int = 0) -> RouteChoice | None:
-    """The worker for `req` among `workers` (the candidates), or None when there is none."""
+    """The worker for `req` among `workers` (the candidates), or None when there is none. Pass a
+    `Candidates` kept up to date to decide without touching every worker; a sequence is indexed first
+    (O(workers)). `RouteChoice.costs` holds the workers that were costed: the holders of some of the
+    prefix and the least-loaded non-holders (every candidate when load_weight <= 0)."""
+    if not isinstance(workers, Candidates):
+        workers = Candidates(workers)
     if not workers:
         return None
-    workers = sorted(workers, key=lambda w: w.worker_id)
     if mode == "round_robin":
-        return RouteChoice(workers[rr_counter % len(workers)].worker_id, "round_robin")
+        return RouteChoice(workers._ids[rr_counter % len(workers)], "round_robin")
     if mode == "least_loaded":
-        return RouteChoice(_least_loaded(workers).worker_id, "least_loaded")
-    if imbalanced(workers, knobs):
-        return RouteChoice(_least_loaded(workers).worker_id, "balance")
-    by_id = {w.worker_id: w for w in workers}
-    if req.session_worker in by_id:
+        return RouteChoice(workers.least_loaded().worker_id, "least_loaded")
+    if workers.imbalanced(knobs):
+        return RouteChoice(workers.least_loaded().worker_id, "balance")
+    if req.session_worker in workers:
         return RouteChoice(req.session_worker, "session")
     if req.local_blocks is None:
-        return RouteChoice(_least_loaded(workers).worker_id, "least_loaded")
-    costs = {w.worker_id: cost(w, req, knobs) for w in workers}
-    best = min(workers, key=lambda w: (round(costs[w.worker_id], 6), w.requests, w.worker_id))
-    return RouteChoice(best.worker_id, "cache_aware", costs)
+        return RouteChoice(workers.least_loaded().worker_id, "least_loaded")
+    costs: dict[str, float] = {}
+    keys: list[tuple[float, int, str]] = []
+
+    def consider(w: WorkerState) -> float:
+        c = cost(w, req, knobs)
+        costs[w.worker_id] = c
+        rounded = round(c, 6)
+        keys.append((rounded, w.requests, w.worker_id))
+        return rounded
+
+    local = req.local_blocks
+    if knobs.load_weight > 0:
+        for worker_id, num_blocks in local.items():
+            w = workers.get(worker_id) if num_blocks > 0 else None
+            if w is not None:
+                consider(w)
+        for kind in (True, False):
+            lowest = None
+            for w in workers.by_load(kind):
+                if local.get(w.worker_id, 0) > 0:
+                    continue  # a holder: costed above
+                if lowest is None:
+                    lowest = consider(w)
+                elif round(cost(w, req, knobs), 6) > lowest:
+                    break  # loads only grow from here, so costs do too
+                else:
+                    consider(w)
+    else:
+        for w in workers:
+            consider(w)
+    return RouteChoice(min(keys)[2], "cache_aware", costs)

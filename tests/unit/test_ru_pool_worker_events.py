@@ -35,10 +35,11 @@ def test_worker_local_caches_from_events():
     c.worker_events.stored("w3", FP2, CHAIN, seq=1, now=1.0)
     c.worker_events.removed("w1", FP, [CHAIN[4]], all_blocks=False, seq=2, now=2.0)
     r = c.reads.lookup(FP, CHAIN)
-    assert r.workers == {"w1": 4, "w2": 2, "w3": 0}
+    assert r.workers == {"w1": 4, "w2": 2}  # w3 holds none of this model's chain: not named
     assert c.reads.lookup(FP, CHAIN, include_workers=False).workers == {}
     c.worker_events.removed("w2", "", [], all_blocks=True, seq=2, now=3.0)
-    assert c.reads.lookup(FP, CHAIN).workers == {"w1": 4, "w3": 0}
+    assert c.reads.lookup(FP, CHAIN).workers == {"w1": 4}
+    assert c.reads.lookup(FP2, CHAIN).workers == {"w3": 8}
 
 
 def test_worker_event_gaps_are_counted_and_stale_workers_found():

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from kite_shared.config import FingerprinterConfig
 from kite_shared.endpoints import Endpoint
 from kite_shared.messages import (ROUTING_MODES, Admission, Decision, ErrorInfo, Heartbeat, MessageError,
                                   TokenizedRequest, WorkerTelemetry)
-from kite_shared.routing import RouteRequest, RoutingKnobs, WorkerState, choose
+from kite_shared.routing import Candidates, RouteRequest, RoutingKnobs, WorkerState, choose
 from kite_shared.tiers.pool_client import PoolClient
 from kite_shared.window import TimeWindow
 
@@ -50,16 +51,27 @@ class _Worker:
 
 
 class LiveWorkers:
-    """Which workers may be routed to, and their load. Pure state (clocks passed in)."""
+    """Which workers may be routed to, and their load. Pure state (clocks passed in).
+
+    The candidates are kept as a `routing.Candidates`, updated when a worker's heartbeat, telemetry or a
+    request sent to it changes its state, and when it falls silent (a heap by last-heard time, read at
+    each decision, takes out those silent for `timeout_s`), so a decision does not rebuild every worker's
+    state (issue 38: 4.9 ms at 1,000 workers). `now` is expected not to go back; when it does, the set is
+    rebuilt from every worker's record, so the answer is the same either way."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._workers: dict[str, _Worker] = {}
+        self._candidates = Candidates()
+        self._by_seen: list[tuple[float, str]] = []  # (seen, worker): entries older than its seen are stale
+        self._now = float("-inf")  # the latest `now` a view was asked for
 
     def heartbeat(self, beat: Heartbeat, now: float) -> None:
         w = self._workers.setdefault(beat.instance_id, _Worker(beat.instance_id, now))
         w.seen, w.draining = now, beat.draining
         w.num_running, w.num_queued = beat.num_running, beat.num_queued
+        self._heard(w)
+        self._changed(w)
 
     def telemetry(self, t: WorkerTelemetry, now: float) -> None:
         w = self._workers.setdefault(t.instance_id, _Worker(t.instance_id, now))
@@ -67,26 +79,68 @@ class LiveWorkers:
         w.num_running, w.num_queued = t.num_running, t.queue_depth
         # requests sent before this snapshot are in it (a small margin for the admission itself)
         w.pending = [(at, n) for at, n in w.pending if at > t.sent_at - 0.02 and at > t.sent_at - _PENDING_MAX_AGE_S]
+        self._heard(w)
+        self._changed(w)
 
     def sent(self, worker_id: str, tokens: int, at: float) -> None:
-        if worker_id in self._workers:
-            self._workers[worker_id].pending.append((at, tokens))
+        w = self._workers.get(worker_id)
+        if w is not None:
+            w.pending.append((at, tokens))
+            self._changed(w)
 
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
+        self._candidates.remove(worker_id)
+
+    def view(self, now: float) -> Candidates:
+        """The candidates at `now`, kept current (callers must not change it)."""
+        if now < self._now:
+            self._rebuild(now)
+        self._now = now
+        heap, workers = self._by_seen, self._workers
+        while heap:
+            seen, worker_id = heap[0]
+            w = workers.get(worker_id)
+            if w is not None and w.seen == seen:
+                if not now - seen > self.timeout_s:
+                    break  # the least recently heard worker is live: so are all the others
+                self._candidates.remove(worker_id)
+            heapq.heappop(heap)
+        return self._candidates
 
     def candidates(self, now: float) -> list[WorkerState]:
-        out = []
-        for w in self._workers.values():
-            t = w.telemetry
-            if now - w.seen > self.timeout_s or w.draining or t is None or t.standby or not t.healthy:
-                continue
-            out.append(WorkerState(
-                worker_id=w.worker_id, num_running=w.num_running, queue_depth=w.num_queued,
-                running_tokens=t.running_tokens, backlog_tokens=t.prefill_backlog_tokens,
-                pending_tokens=sum(n for _, n in w.pending), pending_requests=len(w.pending),
-                reads_pool=t.pool_read))
-        return out
+        """The candidates at `now` as a list, in worker id order."""
+        return list(self.view(now))
+
+    def _heard(self, w: _Worker) -> None:
+        heapq.heappush(self._by_seen, (w.seen, w.worker_id))
+        if len(self._by_seen) > 4 * len(self._workers) + 64:  # mostly stale entries
+            self._by_seen = [(x.seen, x.worker_id) for x in self._workers.values()]
+            heapq.heapify(self._by_seen)
+
+    def _changed(self, w: _Worker) -> None:
+        """`w`'s record changed: its candidate state follows (liveness judged at the latest view's time)."""
+        state = self._state(w, self._now)
+        if state is None:
+            self._candidates.remove(w.worker_id)
+        else:
+            self._candidates.put(state)
+
+    def _state(self, w: _Worker, now: float) -> WorkerState | None:
+        """`w` as a candidate, or None when it is not one at `now`."""
+        t = w.telemetry
+        if now - w.seen > self.timeout_s or w.draining or t is None or t.standby or not t.healthy:
+            return None
+        return WorkerState(
+            worker_id=w.worker_id, num_running=w.num_running, queue_depth=w.num_queued,
+            running_tokens=t.running_tokens, backlog_tokens=t.prefill_backlog_tokens,
+            pending_tokens=sum(n for _, n in w.pending), pending_requests=len(w.pending),
+            reads_pool=t.pool_read)
+
+    def _rebuild(self, now: float) -> None:
+        self._candidates = Candidates([s for w in self._workers.values() if (s := self._state(w, now)) is not None])
+        self._by_seen = [(w.seen, w.worker_id) for w in self._workers.values()]
+        heapq.heapify(self._by_seen)
 
 
 class Router:
@@ -118,7 +172,7 @@ class Router:
                 Endpoint(subjects.DECISIONS, self.on_decision)]
 
     def num_live_workers(self) -> int:
-        return len(self.live.candidates(time.monotonic()))
+        return len(self.live.view(time.monotonic()))
 
     def routed_hit_rate(self, now: float) -> float:
         prompt = self.routed_prompt_blocks.total(now)
@@ -174,13 +228,13 @@ class Router:
         """(worker id or "" for the queue group, reason, the pool's leading blocks or -1 if not looked up)."""
         if self.mode == "queue_group":
             return "", "queue_group", -1
-        candidates = self.live.candidates(now)
+        candidates = self.live.view(now)
         if not candidates:
             return "", "queue_group", -1
         session_worker = ""
         if session_id:
             bound = self._sessions.get(session_id)
-            if bound is not None and bound[1] > now and any(c.worker_id == bound[0] for c in candidates):
+            if bound is not None and bound[1] > now and bound[0] in candidates:
                 session_worker = bound[0]
         local_blocks, pool_blocks = None, -1  # -1: the pool was not asked
         if self.mode == "cache_aware" and not session_worker and len(candidates) > 1:
@@ -200,7 +254,7 @@ class Router:
             return "", "queue_group", pool_blocks
         log.debug("route %s -> %s (%s) costs=%s", request.request_id, choice.worker_id, choice.reason, choice.costs)
         if local_blocks is not None and request.block_hashes:
-            chosen = next(c for c in candidates if c.worker_id == choice.worker_id)
+            chosen = candidates.get(choice.worker_id)
             cached = local_blocks.get(choice.worker_id, 0)
             if chosen.reads_pool:
                 cached = max(cached, pool_blocks)

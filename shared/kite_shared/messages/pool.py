@@ -78,7 +78,7 @@ class PoolLookupReply(Message):
     cold: int = 0
     pool: int = 0
     tiers: bytes = b""
-    workers: dict[str, int] = Field(default_factory=dict)  # worker_id -> prefix in its local cache
+    workers: dict[str, int] = Field(default_factory=dict)  # worker -> prefix in its local cache, if > 0
     invalidated: bool = False  # the fingerprint was replaced: nothing of it will be served
     error: ErrorInfo | None = None
 
