@@ -44,6 +44,7 @@ before this, kept as tests/routing_oracles.py, decides the same on seeded fleets
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
@@ -190,10 +191,26 @@ class Candidates:
         counts = self._num_by_requests  # as many keys as distinct request counts: a few dozen at most
         return _imbalanced(max(counts), min(counts), knobs)
 
-    def by_load(self, reads_pool: bool) -> Iterator[WorkerState]:
-        """The candidates of one kind in (tokens, requests, id) order, read off the heap without popping
-        it (a second heap of positions holds the frontier): k workers cost O(k log k)."""
+    def by_load(self, reads_pool: bool, skip: Mapping[str, int] | None = None) -> Iterator[WorkerState]:
+        """The candidates of one kind in (tokens, requests, id) order, but those with a count > 0 in
+        `skip`. First the heap's stale entries are popped off its top (each once), then it is read
+        without popping (a second heap of positions holds the frontier): k workers cost O(k log k)."""
         heap, states = self._by_load[reads_pool], self._states
+        skip = skip or {}
+
+        def live(entry: tuple[int, int, str]) -> bool:
+            tokens, requests, worker_id = entry
+            s = states.get(worker_id)
+            return (s is not None and s.reads_pool == reads_pool and s.requests == requests
+                    and _tokens(s) == tokens)
+
+        aside = []
+        while heap and (not live(heap[0]) or skip.get(heap[0][2], 0) > 0):
+            entry = heapq.heappop(heap)
+            if live(entry):
+                aside.append(entry)  # skipped, not stale: back in once the top is clean
+        for entry in aside:
+            heapq.heappush(heap, entry)
         if not heap:
             return
         frontier = [(heap[0], 0)]
@@ -203,11 +220,8 @@ class Candidates:
             for child in (2 * at + 1, 2 * at + 2):
                 if child < num:
                     heapq.heappush(frontier, (heap[child], child))
-            tokens, requests, worker_id = entry
-            s = states.get(worker_id)
-            if (s is not None and s.reads_pool == reads_pool and s.requests == requests
-                    and _tokens(s) == tokens):
-                yield s
+            if live(entry) and not skip.get(entry[2], 0) > 0:
+                yield states[entry[2]]
 
     def _uncount(self, requests: int) -> None:
         left = self._num_by_requests[requests] - 1
@@ -269,11 +283,15 @@ def choose(workers: Sequence[WorkerState] | Candidates, req: RouteRequest, knobs
                 consider(w)
         for kind in (True, False):
             lowest = None
-            for w in workers.by_load(kind):
-                if local.get(w.worker_id, 0) > 0:
-                    continue  # a holder: costed above
+            for w in workers.by_load(kind, skip=local):  # the holders are costed above
                 if lowest is None:
                     lowest = consider(w)
+                    # Workers at this load come after it in (requests, id) order, so they lose the
+                    # tie-break; one more token of load is the least any other can have: when that
+                    # already costs more, nobody further ties.
+                    more = dataclasses.replace(w, running_tokens=w.running_tokens + 1)
+                    if round(cost(more, req, knobs), 6) > lowest:
+                        break
                 elif round(cost(w, req, knobs), 6) > lowest:
                     break  # loads only grow from here, so costs do too
                 else:

@@ -49,7 +49,7 @@ The model:
    mean of per-worker prefill busy time), session affinity, admission rejections, arbitrator evaluation
    time, and after the first full run: the pool core's memory per indexed block (a sys.getsizeof walk
    of every object reachable from it, each counted once), one lifecycle sweep over the whole index in
-   the service's slices, and the router's per-decision bookkeeping (LiveWorkers.candidates) at this fleet
+   the service's slices, and the router's per-decision bookkeeping (LiveWorkers.view) at this fleet
    size. Wall-time figures depend on the machine's load, which the report states.
 
 Determinism: one seed drives the trace and the queue-group picks; simulated figures (hits, TTFT,

@@ -35,7 +35,7 @@ from kite_arbitrator.rules import load_rules
 from kite_ru_pool.core import PoolCore
 from kite_ru_pool.index import HOT, WARM
 from kite_shared.messages import WorkerTelemetry
-from kite_shared.routing import RouteRequest, RoutingKnobs, WorkerState, choose
+from kite_shared.routing import Candidates, RouteRequest, RoutingKnobs, WorkerState, choose
 from kite_shared.tiers.keys import BlockKey, model_tag
 from kite_worker.engines.reference.block_cache import BlockCache
 from kite_worker.pool_loader import CostModel, TierEstimate
@@ -180,6 +180,9 @@ class FleetSim:
                         for i in range(cfg.num_workers)]
         self.index_of = {w.worker_id: i for i, w in enumerate(self.workers)}
         self.states = [WorkerState(w.worker_id, reads_pool=cfg.pool_read) for w in self.workers]
+        # the router's candidates as kite_fingerprinter/router.py's LiveWorkers keeps them: updated per
+        # worker on a change, standby workers out
+        self.view = Candidates(self.states)
         self.num_standby = 0
         self.knobs = RoutingKnobs()
         self.sessions: dict[str, tuple[str, float]] = {}  # kite_fingerprinter/router.py's binding
@@ -332,12 +335,10 @@ class FleetSim:
         return choice.worker_id
 
     @property
-    def candidates(self) -> list[WorkerState]:
-        """LiveWorkers.candidates(): workers publish telemetry at once on a change, so the router's view
-        is the current state (and no request is pending since the last snapshot)."""
-        if not self.num_standby:
-            return self.states
-        return [s for s, w in zip(self.states, self.workers) if not w.standby]
+    def candidates(self) -> Candidates:
+        """LiveWorkers.view(): workers publish telemetry at once on a change, so the router's view is the
+        current state (and no request is pending since the last snapshot)."""
+        return self.view
 
     def _state(self, w: int) -> None:
         worker = self.workers[w]
@@ -345,6 +346,8 @@ class FleetSim:
             worker.worker_id, num_running=(worker.prefilling is not None) + worker.num_decoding,
             queue_depth=len(worker.queue), running_tokens=worker.running_tokens,
             backlog_tokens=worker.backlog_tokens, reads_pool=self.cfg.pool_read)
+        if not worker.standby:
+            self.view.put(self.states[w])
 
     # --- worker ----------------------------------------------------------------------------------
     def _start(self, w: int, now: float) -> None:
@@ -543,3 +546,7 @@ class FleetSim:
             elif d.action == "warm_capacity" and d.standby is not None and d.target in self.index_of:
                 self.workers[self.index_of[d.target]].standby = d.standby
                 self.num_standby = sum(w.standby for w in self.workers)
+                if d.standby:
+                    self.view.remove(d.target)
+                else:
+                    self.view.put(self.states[self.index_of[d.target]])
