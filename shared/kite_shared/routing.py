@@ -34,9 +34,11 @@ decision), with heaps by load and a count of workers per request count, so a dec
 workers holding some of the prefix (the pool lookup names them) and the least-loaded non-holders. That is
 the decision costing every candidate makes: a non-holder's cost depends only on its load and on whether it
 reads the pool (its prefill term is the same for all of its kind), and with load_weight > 0 it does not
-fall as the load grows, so among non-holders of a kind the ones at the least load come first; the scan in
-load order goes on while the rounded cost equals the first one's, so the tie-break (fewer requests, then
-the name) sees every tied worker. With load_weight <= 0 every candidate is costed, as before. The code
+fall as the load grows, so among non-holders of a kind the ones at the least load come first. The heap's
+order (tokens, requests, id) is the tie-break's among workers at one load, so the first non-holder beats
+the others at its load; the scan in load order goes on only while a higher load can still round to the
+same cost (a tiny load_weight), so the tie-break (fewer requests, then the name) sees every tied worker.
+With load_weight <= 0 every candidate is costed, as before. The code
 before this, kept as tests/routing_oracles.py, decides the same on seeded fleets
 (tests/unit/test_routing_equivalence.py); bench/bench_routing_scale.py times both.
 """

@@ -2,7 +2,8 @@
 
 A discrete-event loop over simulated time. What decides is KITE's own pure code, driven the way the
 services drive it:
-- routing: `kite_shared.routing.choose`, fed as kite_fingerprinter/router.py feeds it (session binding
+- routing: `kite_shared.routing.choose` over a `routing.Candidates` kept current per worker change (as
+  kite_fingerprinter/router.py's LiveWorkers keeps it), fed as the router feeds it (session binding
   with its TTL, the ru-pool lookup with `include_workers` unless the session is bound, the round-robin
   counter, the queue-group fallback when the chosen worker refuses);
 - the ru-pool: one `kite_ru_pool.core.PoolCore` with its real hot tier (`HotLRU`), written through to
