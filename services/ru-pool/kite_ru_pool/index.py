@@ -70,12 +70,17 @@ class Entry:
 class TagStore:
     """One model tag's entries as parallel arrays, one slot per block (issue 38): a block costs its
     dict slot, its hash, its slot number and 45 bytes of arrays, where an Entry object with its own
-    floats, ints and tenant string cost about 330. A dropped block's slot goes on `free` and is reused
-    by a later block, except while a sweep pass walks this tag (`walker`): a block added then lands
-    past the end the pass took, so it waits for the next sweep, as the pass promises."""
+    floats, ints and tenant string cost about 330.
 
-    __slots__ = ("slots", "hashes", "tiers", "size", "last_hit", "warm_touch", "depth", "tenant", "free",
-                 "walker")
+    Slots are taken in order of arrival, as a dict orders its keys, so a sweep walking the slots meets
+    the blocks in the order the old index's copy of the keys had. A dropped block leaves a free slot;
+    the sweep closes the gaps as it walks (lifecycle.SweepPass, when over a quarter of the slots are
+    free), moving each block down without changing that order. While a pass walks the tag (`walker`),
+    a block dropped and stored again before the pass reached its slot takes that slot back (`dropped`),
+    so the pass examines it as the old index's pass did."""
+
+    __slots__ = ("slots", "hashes", "tiers", "size", "last_hit", "warm_touch", "depth", "tenant", "walker",
+                 "walk_pos", "dropped")
 
     def __init__(self) -> None:
         self.slots: dict[bytes, int] = {}  # block hash -> slot
@@ -86,15 +91,16 @@ class TagStore:
         self.warm_touch = array("d")
         self.depth = array("q")
         self.tenant = array("I")  # the owner's number in BlockIndex.tenant_tags
-        self.free: list[int] = []
         self.walker = 0  # serial of the sweep pass walking this tag now (lifecycle.SweepPass); 0: none
+        self.walk_pos = 0  # the first slot that pass has not walked yet
+        self.dropped: dict[bytes, int] = {}  # block hash -> its slot, of blocks dropped while walked
 
     def __len__(self) -> int:
         return len(self.slots)
 
     def add(self, block_hash: bytes, tenant: int) -> int:
-        if self.free and not self.walker:
-            s = self.free.pop()
+        s = self.dropped.pop(block_hash, None) if self.walker else None
+        if s is not None and s >= self.walk_pos and self.tiers[s] == FREE:
             self.hashes[s] = block_hash
             self.tiers[s] = 0
             self.size[s] = 0
@@ -118,8 +124,33 @@ class TagStore:
         s = self.slots.pop(block_hash)
         self.hashes[s] = None
         self.tiers[s] = FREE
-        self.free.append(s)
+        if self.walker:
+            self.dropped[block_hash] = s
         return s
+
+    def move(self, src: int, dst: int) -> None:
+        """Move the block in slot `src` to the free slot `dst` (a sweep closing gaps)."""
+        h = self.hashes[src]
+        self.hashes[dst], self.hashes[src] = h, None
+        self.tiers[dst], self.tiers[src] = self.tiers[src], FREE
+        self.size[dst] = self.size[src]
+        self.last_hit[dst] = self.last_hit[src]
+        self.warm_touch[dst] = self.warm_touch[src]
+        self.depth[dst] = self.depth[src]
+        self.tenant[dst] = self.tenant[src]
+        self.slots[h] = dst
+
+    def pack_from(self, dst: int, src: int) -> None:
+        """Move the blocks in slots `src`... down to `dst`..., in order, and let the slots past them go
+        (a sweep that closed the gaps below `dst`, at the end of its walk of the tag)."""
+        for s in range(src, len(self.hashes)):
+            if self.tiers[s] != FREE:
+                if s != dst:
+                    self.move(s, dst)
+                dst += 1
+        for column in (self.hashes, self.tiers, self.size, self.last_hit, self.warm_touch, self.depth,
+                       self.tenant):
+            del column[dst:]
 
     def slots_of(self, tenant: int) -> Iterator[int]:
         """The slots the tenant owns (a C-speed search of the owner column, so a small tenant's blocks

@@ -79,6 +79,10 @@ class DropBlock:
 Action = Demote | Archive | RenewWarm | ExpireCold | DropBlock
 
 
+COMPACT_FREE_FRACTION = 0.25  # a pass closes a tag's gaps when more of its slots than this are free
+MAX_WALK_PER_ENTRY = 64  # slots (free ones included) a sweep step walks at most per entry of its budget
+
+
 class SweepPass:
     """One lifecycle sweep (the module's rules) walked in bounded steps; pure and deterministic.
 
@@ -89,15 +93,20 @@ class SweepPass:
     (it notes where they end: nothing is copied); each entry is judged from its state at the step that
     examines it, with the pass's `now`. So between steps the index may change: an entry dropped or
     invalidated meanwhile is skipped, one added after the pass reached its tag waits for the next sweep
-    (the tag's freed slots are not reused while the pass walks it; a block dropped and stored again
-    meanwhile counts as added), and a pin or hit that lands after its entry was examined applies from
+    (a block dropped and stored again meanwhile is examined where it was, as in a copy of the keys:
+    TagStore), and a pin or hit that lands after its entry was examined applies from
     the next sweep (the service re-checks nothing: a renewal or archival of a block hit a moment ago is
     harmless). Run in one step (`step()` with no limit) the result is exactly `Maintenance.sweep`'s.
-    One pass walks a tag at a time: a second pass reaching a tag takes over the slot-reuse hold.
+    One pass walks a tag at a time: a pass whose tag another pass has reached since leaves the rest of
+    that tag to the other (the service runs one pass at a time).
+
+    A pass over a tag whose slots are more than COMPACT_FREE_FRACTION free closes the gaps as it walks (TagStore),
+    so free slots cost at most the drops since the last sweep.
 
     Each step sorts what it found (at most n decisions), and `ordered_actions` merges those runs, so no
     call sorts the whole sweep's decisions at once (issue 38: at 10^6 blocks no call holds the caller
-    10 ms). Steps skip the free slots of a tag at no charge to `n`, but walk at most 8n slots.
+    10 ms). Steps skip the slots of a tag that were free when the pass reached it at no charge to `n`,
+    but walk at most MAX_WALK_PER_ENTRY * n slots.
 
     The pass also counts blocks and bytes per tier over the entries it examined (`tier_totals`), so a
     service can report warm/cold totals without another walk of the index.
@@ -124,6 +133,8 @@ class SweepPass:
         self._tag = ""
         self._store: TagStore | None = None
         self._end = 0  # the tag's slots when the pass reached it
+        self._compact = False  # whether this walk closes the tag's gaps (TagStore)
+        self._packed = 0  # then: where the next block examined moves to
         self._pos = 0
         self._runs: list[list[tuple[float, BlockKey, Action]]] = []  # each step's decisions, sorted
         self._blocks = [0] * 8  # by tier bit set
@@ -137,7 +148,7 @@ class SweepPass:
         """Examine up to `max_entries` more entries (all that are left when None); True when done."""
         index = self.index
         budget = max_entries if max_entries is not None else -1
-        walk = 8 * max_entries if max_entries is not None else -1
+        walk = MAX_WALK_PER_ENTRY * max_entries if max_entries is not None else -1
         found: list[tuple[float, BlockKey, Action]] = []
         while budget != 0 and walk != 0:
             if self._store is None:
@@ -148,11 +159,15 @@ class SweepPass:
                 store = index.stores.get(self._tag)
                 if store is None or self._tag in index.invalidated:
                     continue
-                self._store, self._end, self._pos = store, len(store.hashes), 0
-                store.walker = self._serial
+                self._store, self._end, self._pos, self._packed = store, len(store.hashes), 0, 0
+                self._compact = len(store.hashes) - len(store.slots) > COMPACT_FREE_FRACTION * len(store.hashes)
+                store.walker, store.walk_pos, store.dropped = self._serial, 0, {}
             store = self._store
             if index.stores.get(self._tag) is not store or self._tag in index.invalidated:
                 self._leave()  # cleared or invalidated since the pass reached it: the purge handles it
+                continue
+            if store.walker != self._serial:
+                self._store = None  # another pass walks (and may be moving) the tag now: its business
                 continue
             end = self._end if walk < 0 else min(self._end, self._pos + walk)
             pos, examined = self._examine(store, self._pos, end, budget, found)
@@ -161,8 +176,10 @@ class SweepPass:
             if walk > 0:
                 walk -= pos - self._pos
             self.examined += examined
-            self._pos = pos
+            self._pos = store.walk_pos = pos
             if pos >= self._end:
+                if self._compact:
+                    store.pack_from(self._packed, self._end)  # and the blocks added meanwhile
                 self._leave()
         if found:
             found.sort()  # (last hit, key, action): keys are unique, so actions are never compared
@@ -170,14 +187,17 @@ class SweepPass:
         return self.done
 
     def _leave(self) -> None:
-        if self._store is not None and self._store.walker == self._serial:
-            self._store.walker = 0
+        store = self._store
+        if store is not None and store.walker == self._serial:
+            store.walker, store.walk_pos, store.dropped = 0, 0, {}
         self._store = None
 
     def _examine(self, store: TagStore, start: int, end: int, budget: int,
                  found: list[tuple[float, BlockKey, Action]]) -> tuple[int, int]:
         """Judge the entries in slots [start, end), stopping after `budget` of them (< 0: no limit);
-        returns where it stopped and how many it judged."""
+        returns where it stopped and how many it examined. A block dropped since the pass reached the
+        tag counts as examined (it was there to examine, as in a copy of the tag's keys); a slot that
+        was free already does not."""
         now, tag = self.now, self._tag
         tenant_tags = self.index.tenant_tags
         pins = self.index.pins
@@ -190,14 +210,31 @@ class SweepPass:
         cold_ttl = self.cold_ttl_s
         tiers, sizes, last_hits, touches = store.tiers, store.size, store.last_hit, store.warm_touch
         hashes, owners = store.hashes, store.tenant
+        dropped_since: set[int] | None = None  # slots of blocks dropped since the pass reached the tag
+        compact, packed = self._compact, self._packed
         examined = 0
         i = start
-        while i < end and examined != budget:
+        while i < end:
             t = tiers[i]
+            if t == FREE:  # free before the pass reached the tag (no charge), or dropped since
+                if dropped_since is None:
+                    dropped_since = set(store.dropped.values())
+                if i in dropped_since:
+                    if examined == budget:
+                        break
+                    examined += 1
+                i += 1
+                continue
+            if examined == budget:
+                break
+            s = i
             i += 1
-            if t == FREE:
-                continue  # dropped (since the pass reached the tag, or before)
-            s = i - 1
+            if compact:
+                if packed != s:
+                    store.move(s, packed)
+                    s = packed
+                packed += 1
+                self._packed = packed
             examined += 1
             blocks[t] += 1
             nbytes[t] += sizes[s]
