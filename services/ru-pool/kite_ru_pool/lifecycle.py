@@ -79,6 +79,24 @@ class DropBlock:
 Action = Demote | Archive | RenewWarm | ExpireCold | DropBlock
 
 
+# A decision as a pass keeps it until it is taken: (last hit, model tag, hash, tenant tag, what), atoms
+# only, so sorting by it orders as (last hit, key) and the collector untracks it at its first young
+# collection: 10^5 decisions held as objects (a key, an action) made the full collections that a
+# sweep's allocations trigger walk them all, 50-90 ms at 10^6 blocks (issue 38).
+_Found = tuple[float, str, bytes, str, int]
+_ARCHIVE, _ARCHIVE_COLD_HAS_IT, _RENEW, _EXPIRE = range(4)
+
+
+def _action(found: _Found) -> Action:
+    _, tag, h, tenant, code = found
+    key = BlockKey(tag, h, tenant)
+    if code == _RENEW:
+        return RenewWarm(key)
+    if code == _EXPIRE:
+        return ExpireCold(key)
+    return Archive(key, code == _ARCHIVE_COLD_HAS_IT)
+
+
 COMPACT_FREE_FRACTION = 0.25  # a pass closes a tag's gaps when more of its slots than this are free
 MAX_WALK_PER_ENTRY = 64  # slots (free ones included) a sweep step walks at most per entry of its budget
 
@@ -136,7 +154,7 @@ class SweepPass:
         self._compact = False  # whether this walk closes the tag's gaps (TagStore)
         self._packed = 0  # then: where the next block examined moves to
         self._pos = 0
-        self._runs: list[list[tuple[float, BlockKey, Action]]] = []  # each step's decisions, sorted
+        self._runs: list[list[_Found]] = []  # each step's decisions, sorted
         self._blocks = [0] * 8  # by tier bit set
         self._bytes = [0] * 8
 
@@ -149,7 +167,7 @@ class SweepPass:
         index = self.index
         budget = max_entries if max_entries is not None else -1
         walk = MAX_WALK_PER_ENTRY * max_entries if max_entries is not None else -1
-        found: list[tuple[float, BlockKey, Action]] = []
+        found: list[_Found] = []
         while budget != 0 and walk != 0:
             if self._store is None:
                 if self._next_tag >= len(self._tags):
@@ -182,7 +200,7 @@ class SweepPass:
                     store.pack_from(self._packed, self._end)  # and the blocks added meanwhile
                 self._leave()
         if found:
-            found.sort()  # (last hit, key, action): keys are unique, so actions are never compared
+            found.sort()  # by last hit, then key (unique: the codes are never compared)
             self._runs.append(found)
         return self.done
 
@@ -193,7 +211,7 @@ class SweepPass:
         self._store = None
 
     def _examine(self, store: TagStore, start: int, end: int, budget: int,
-                 found: list[tuple[float, BlockKey, Action]]) -> tuple[int, int]:
+                 found: list[_Found]) -> tuple[int, int]:
         """Judge the entries in slots [start, end), stopping after `budget` of them (< 0: no limit);
         returns where it stopped and how many it examined. A block dropped since the pass reached the
         tag counts as examined (it was there to examine, as in a copy of the tag's keys); a slot that
@@ -252,20 +270,20 @@ class SweepPass:
             h = hashes[s]
             if (tag, h) in pins:
                 continue
-            key = BlockKey(tag, h, tenant_tags[owners[s]])
-            action = Archive(key, bool(t & COLD)) if kind is Archive else kind(key)
-            found.append((last_hits[s], key, action))
+            code = (_ARCHIVE_COLD_HAS_IT if t & COLD else _ARCHIVE) if kind is Archive else \
+                _RENEW if kind is RenewWarm else _EXPIRE
+            found.append((last_hits[s], tag, h, tenant_tags[owners[s]], code))
         return i, examined
 
     def ordered_actions(self) -> Iterator[Action]:
         """The decisions so far, oldest idle first (ties by key), merged lazily from the steps' runs."""
-        return (c[2] for c in heapq.merge(*self._runs))
+        return map(_action, heapq.merge(*self._runs))
 
     def actions(self) -> list[Action]:
         """The decisions so far, oldest idle first (ties by key)."""
         if len(self._runs) > 1:
             self._runs = [list(heapq.merge(*self._runs))]
-        return [c[2] for c in self._runs[0]] if self._runs else []
+        return list(map(_action, self._runs[0])) if self._runs else []
 
     def tier_totals(self) -> dict[str, tuple[int, int]]:
         """(blocks, bytes) per tier over the entries examined (hot: the LRU now, exact)."""
