@@ -20,7 +20,8 @@ went without giving it a turn: the worst of those is the longest hold a lookup c
 in CPU time of this thread (what the code itself holds) and in wall time (which adds whatever else the
 machine ran meanwhile: on a loaded machine, read the CPU figure).
 The old index's decisions are carried out as that code did (sort all, one task per decision behind a
-semaphore). Time figures move with the machine; the ratios are the point.
+semaphore). Then the per-request calls' CPU time, old and new (`op_costs`). Time figures move with the
+machine; the ratios are the point.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import gc
 import random
 import sys
 import time
+import timeit
 import tracemalloc
 from pathlib import Path
 
@@ -154,6 +156,31 @@ def measure(n: int, due: float, seed: int) -> dict:
     return out
 
 
+def op_costs(module, tenants_module, seed: int) -> dict:
+    """CPU time of the index's per-request calls: a 128-block chain's `prefixes` in a 50,000-block index
+    (best of 7 x 2,000), `note_stored` of a new block and `note_hit` (mean over 20,000)."""
+    rng = random.Random(seed)
+    index = module.BlockIndex(tenants_module.Tenants())
+    for _ in range(50_000):
+        index.note_stored(BlockKey.of(FPS[0], rng.randbytes(32)), WARM, UNIT_BYTES, NOW)
+    chain = [rng.randbytes(32) for _ in range(128)]
+    for h in chain:
+        index.note_stored(BlockKey.of(FPS[0], h), HOT | WARM, UNIT_BYTES, NOW)
+    tag = BlockKey.of(FPS[0], chain[0]).model_tag
+    best = min(timeit.repeat(lambda: index.prefixes(tag, chain, HOT | WARM | COLD), number=2000, repeat=7,
+                             timer=time.thread_time)) / 2000
+    keys = [BlockKey.of(FPS[0], rng.randbytes(32)) for _ in range(20_000)]
+    t0 = time.thread_time()
+    for k in keys:
+        index.note_stored(k, HOT, UNIT_BYTES, NOW, last_hit=NOW, depth=3)
+    put = (time.thread_time() - t0) / len(keys)
+    t0 = time.thread_time()
+    for k in keys:
+        index.note_hit(k, NOW + 1)
+    hit = (time.thread_time() - t0) / len(keys)
+    return {"prefixes_us": best * 1e6, "put_us": put * 1e6, "hit_us": hit * 1e6}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", type=int, nargs="+", default=[100_000, 1_000_000])
@@ -174,6 +201,10 @@ def main() -> None:
               f"{o['worst_hold_ms']:>8.1f} ms {w['worst_hold_ms']:>5.1f} ms | "
               f"{o['walk_s']:>7.2f}s {w['walk_s']:>6.2f}s | {o['total_s']:>8.2f}s {w['total_s']:>6.2f}s | "
               f"{w['actions']:>8,}", flush=True)
+    o, w = op_costs(old_index, old_tenants, args.seed), op_costs(new_index, new_tenants, args.seed)
+    print(f"per call, CPU: prefixes of a 128-block chain {o['prefixes_us']:.1f} -> {w['prefixes_us']:.1f} us; "
+          f"note_stored (new block) {o['put_us']:.2f} -> {w['put_us']:.2f} us; "
+          f"note_hit {o['hit_us']:.2f} -> {w['hit_us']:.2f} us (old -> new)")
 
 
 if __name__ == "__main__":
