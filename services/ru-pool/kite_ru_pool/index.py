@@ -15,10 +15,11 @@ the two in step.
 Layout (issue 38): model tag -> TagStore: block hash -> slot, and parallel arrays by slot (tiers, size,
 last hit, warm touch, depth, owner's number in the interned tenant tags), about 180 bytes a block at 10^6
 blocks where an Entry object per block and a ledger tuple took about 400. Lookups probe a chain's slots
-and read their tiers with C-speed loops (about 10 us for 128 blocks). Everything in the entries can be rebuilt from the tiers' key
-listings (tier, size, owner, idle time, pinned), which is what a restarting pool does; what cannot is the
-hot tier (gone with the process), the current fingerprints and the invalidated tags (both learned from
-ModelFingerprintChanged events), and the last hits of hot-only blocks.
+and read their tiers with C-speed loops (about 10 us for 128 blocks). Everything in the entries can be
+rebuilt from the tiers' key listings (tier, size, owner, idle time, pinned), which is what a restarting
+pool does; what cannot is the hot tier (gone with the process), the current fingerprints and the
+invalidated tags (both learned from ModelFingerprintChanged events), and the last hits of hot-only
+blocks.
 """
 
 from __future__ import annotations

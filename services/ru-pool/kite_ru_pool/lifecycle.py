@@ -118,8 +118,8 @@ class SweepPass:
     One pass walks a tag at a time: a pass whose tag another pass has reached since leaves the rest of
     that tag to the other (the service runs one pass at a time).
 
-    A pass over a tag whose slots are more than COMPACT_FREE_FRACTION free closes the gaps as it walks (TagStore),
-    so free slots cost at most the drops since the last sweep.
+    A pass over a tag whose slots are more than COMPACT_FREE_FRACTION free closes the gaps as it walks
+    (TagStore), so free slots cost at most the drops since the last sweep.
 
     Each step sorts what it found (at most n decisions), and `ordered_actions` merges those runs, so no
     call sorts the whole sweep's decisions at once (issue 38: at 10^6 blocks no call holds the caller
@@ -178,7 +178,8 @@ class SweepPass:
                 if store is None or self._tag in index.invalidated:
                     continue
                 self._store, self._end, self._pos, self._packed = store, len(store.hashes), 0, 0
-                self._compact = len(store.hashes) - len(store.slots) > COMPACT_FREE_FRACTION * len(store.hashes)
+                num_free = len(store.hashes) - len(store.slots)
+                self._compact = num_free > COMPACT_FREE_FRACTION * len(store.hashes)
                 store.walker, store.walk_pos, store.dropped = self._serial, 0, {}
             store = self._store
             if index.stores.get(self._tag) is not store or self._tag in index.invalidated:
