@@ -1,6 +1,6 @@
 """Workers' tier hits: blocks a worker read from warm or cold itself (its PoolLoader reads those tiers
 directly, so this pool's get never saw them), promoted into this replica's hot tier as a get's read would
-have been, so that a block wanted again is served from hot (docs/ru-pool.md, "Promotion").
+have been, so that a block wanted again is served from hot (docs/ru-pool.md, "Lifecycle", Promotion).
 
 Boundary: part of the coordinating layer, above reads.PoolReads (its `promote_reported` reads the block
 from warm, else cold, and promotes it by the get's own path: PoolWrites.store_hot, under hot's capacity

@@ -122,7 +122,8 @@ class PoolLoader:
         # one of its tiers has their codec.
         self.tier_codecs = tier_codecs
         # Blocks read from warm or cold here are reported to the pool, which promotes them as its own get
-        # would have (docs/ru-pool.md, "Promotion"); without a pool or direct reads there is nothing to report.
+        # would have (docs/ru-pool.md, "Lifecycle", Promotion); without a pool or direct reads there is
+        # nothing to report. `report_hits=False` only for tests that show what the reports change.
         self.hits: HitReporter | None = (
             HitReporter(pool.tier_hits, worker_id=pool.worker_id)
             if report_hits and pool is not None and tier_client is not None else None)
