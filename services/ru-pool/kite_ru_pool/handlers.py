@@ -6,8 +6,9 @@ Boundary: the only module that knows subjects and messages (with replicas.py for
 top of the coordinating layer: a put, a lookup, a get or an admin request is one call into it, and the
 reply is built from what comes back; no handler calls the lower layers (index, tier I/O, worker
 caches). A put goes to writes.PoolWrites, a lookup and a get to reads.PoolReads, worker events to
-worker_events.WorkerEvents, workers' tier hits to worker_hits.WorkerHits, fingerprints, quarantines and shadow checks to catalog.Catalog (then
-maintenance.Maintenance purges on the leading replica), admin requests to admin.PoolAdmin. The framework
+worker_events.WorkerEvents, workers' tier hits to worker_hits.WorkerHits, fingerprints, quarantines and
+shadow checks to catalog.Catalog (then maintenance.Maintenance purges on the leading replica), admin
+requests to admin.PoolAdmin. The framework
 decodes, traces, sets the request context, answers a bad message with `invalid_message` and a handler
 bug with `internal_error`, and counts; handlers here return the reply (None for events) or raise
 Refusal.
