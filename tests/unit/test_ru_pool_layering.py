@@ -23,8 +23,9 @@ from kite_ru_pool.admin import PoolAdmin
 from kite_ru_pool.core import PoolCore
 from kite_ru_pool.handlers import PoolHandlers
 from kite_ru_pool.index import COLD, HOT
-from kite_shared.messages import PoolGetRequest, PoolLookupRequest
+from kite_shared.messages import PoolGetRequest, PoolLookupRequest, TierHits
 from kite_shared.recyclable_unit import RecyclableUnit
+from kite_shared.security import ANONYMOUS_TENANT_TAG
 from kite_shared.tiers.client import TierClient
 from kite_shared.tiers.cold import LocalDirTier
 from kite_shared.tiers.keys import BlockKey
@@ -118,7 +119,8 @@ async def make_pool(tmp_path: Path):
         handlers = PoolHandlers(core, admin, Bus(), None, "host", lambda: NOW)
         recorder = Recorder()
         recorder.wrap(handlers, "handlers")
-        for part in (core.reads, core.writes, core.catalog, core.worker_events, core.maintenance, admin):
+        for part in (core.worker_hits, core.reads, core.writes, core.catalog, core.worker_events, core.maintenance,
+                     admin):
             recorder.wrap(part, "coordinator")
         recorder.wrap(core.index, "index")
         recorder.wrap(core.tenants, "tenants")
@@ -204,6 +206,24 @@ async def test_a_get_walks_down_once_through_hot_and_cold(make_pool):
                  "HotLRU.put", "BlockIndex.note_hit", "NamespaceAudit.served"):
         assert name in called, (name, called)
     assert core.index.tiers_of(first) == COLD | HOT
+
+
+async def test_a_workers_tier_hits_walk_down_once_and_their_promotion_after_the_reply_too(make_pool):
+    core, handlers, recorder = make_pool(3)
+    blocks = chain(2)
+    for h, unit in blocks:  # in cold only, as archival left them; a worker read them there itself
+        assert await core.io.cold.put(BlockKey.of(FP, h), unit)
+        core.index.note_stored(BlockKey.of(FP, h), COLD, len(unit), NOW)
+    recorder.take()
+    await handlers.tier_hits(TierHits(model_fingerprint=FP, tenant_tag=ANONYMOUS_TENANT_TAG,
+                                      block_hashes=[h for h, _ in blocks], tiers=b"cc"))
+    assert_walks_down_once(recorder.take(), "PoolHandlers.tier_hits", "WorkerHits.reported")
+    await core.background.drain()  # the reads and promotions: by the coordinating layer, down only
+    entries = recorder.take()
+    assert entries and all(caller == "coordinator" or (caller, layer) == ("index", "tenants")
+                           for caller, layer, _ in entries), entries
+    assert {"LocalDirTier.get_unit", "BlockIndex.note_stored", "HotLRU.put"} <= {n for _, _, n in entries}
+    assert [core.index.tiers_of(BlockKey.of(FP, h)) for h, _ in blocks] == [COLD | HOT] * 2
 
 
 def _imports(path: Path) -> set[str]:

@@ -17,7 +17,7 @@ from kite_shared.messages import (
     GatewayTelemetry, GenerateRequest, Heartbeat, IndexChange, Message, ModelFingerprintChanged, OneOf, Ping,
     PoolAdminReply, PoolAdminRequest, PoolGetReply, PoolGetRequest, PoolIndexChanges, PoolLookupReply,
     PoolLookupRequest, PoolTelemetry, Pong, RoutingWeights, SamplingParams, ShadowCheckResult, StreamEnd,
-    StreamError, TierStats, TokenChunk, TokenizedRequest, Usage, WorkerCache, WorkerCachesReply,
+    StreamError, TierHits, TierStats, TokenChunk, TokenizedRequest, Usage, WorkerCache, WorkerCachesReply,
     WorkerCachesRequest, WorkerTelemetry,
 )
 
@@ -46,6 +46,7 @@ SAMPLES: dict[type[Message], Message] = {m.__class__: m for m in (
     PoolAdminRequest(op="pin", model_fingerprint=FINGERPRINT, block_hashes=[HASH], tenant="acme"),
     PoolAdminReply(ok=True, affected=1, tiers={"hot": TierStats(blocks=1, bytes=10)}, counters={"puts": 1}),
     BlockStored(worker_id="w1", model_fingerprint=FINGERPRINT, block_hashes=[HASH], seq=1),
+    TierHits(worker_id="w1", model_fingerprint=FINGERPRINT, tenant_tag="0" * 16, block_hashes=[HASH], tiers=b"c"),
     BlockRemoved(worker_id="w1", all_blocks=True, seq=2),
     PoolIndexChanges(instance_id="p1", nonce="n", seq=1, changes=[IndexChange(
         op="stored", tier="warm", model_tag="t", block_hashes=[HASH], sizes=[10], depths=[0], last_hits=[1.0])]),

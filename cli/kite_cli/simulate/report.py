@@ -91,10 +91,10 @@ def pool_memory(core: Any, skip: tuple[type, ...] = ()) -> dict[str, Any]:
     started = time.perf_counter()
     walker = SizeWalker(skip)
     parts: dict[str, int] = {}
-    # The index's map first: a block hash it shares with the tenant ledger and the worker map counts
-    # there; then the tenant ledgers apart from the rest of the index that holds them.
+    # The index's stores first: a block hash they share with the worker map counts there; then the
+    # tenant ledgers apart from the rest of the index that holds them.
     index = getattr(core, "index", None)
-    roots = [("index.models", getattr(index, "models", None)), ("tenants", getattr(core, "tenants", None))]
+    roots = [("index.stores", getattr(index, "stores", None)), ("tenants", getattr(core, "tenants", None))]
     roots += [(name, value) for name, value in vars(core).items() if name != "tenants"]
     for name, value in roots:
         if value is not None:

@@ -176,7 +176,7 @@ class PoolAdmin:
         if with_tenants:
             counters["tenants"] = len(ledgers)
         largest = sorted(ledgers.items(), key=lambda item: -item[1].num_bytes)[:MAX_TENANTS_IN_STATS]
-        tenants = {t: TenantUsage(blocks=len(ledger.blocks), bytes=ledger.num_bytes,
+        tenants = {t: TenantUsage(blocks=ledger.num_blocks, bytes=ledger.num_bytes,
                                   quota_bytes=core.tenants.quota_of(t), quota_evictions=ledger.quota_evictions,
                                   quota_refused=ledger.quota_refused)
                    for t, ledger in largest}

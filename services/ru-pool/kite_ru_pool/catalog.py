@@ -193,7 +193,7 @@ class Catalog:
             self.index.pending_tenant_purges.discard((tag, tenant_tag))
 
     def blocks_by_tag(self) -> dict[str, int]:
-        return {tag: len(blocks) for tag, blocks in self.index.models.items()}
+        return self.index.blocks_by_tag()
 
     # --- another replica's changes -----------------------------------------------------------------------------
     def apply_changes(self, changes: Iterable[IndexChange], now: float) -> None:

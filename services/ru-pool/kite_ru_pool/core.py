@@ -6,6 +6,7 @@ Boundary: construction only; PoolCore has no behaviour of its own, and each part
 after it here, so a request walks down once (docs/ru-pool.md, "Code"):
 
   coordinating layer (decides; each part calls the ones below it, never back up)
+    worker_hits.WorkerHits      the workers' own warm and cold hits, promoted through reads
     reads.PoolReads             lookups and gets
     maintenance.Maintenance     index rebuild, warm resync, purges, the lifecycle sweep, leadership
     writes.PoolWrites           puts: admission, quota, hot, write-through, demotions; the record of
@@ -39,6 +40,7 @@ from kite_ru_pool.tenants import Tenants
 from kite_ru_pool.tier_io import TierIO
 from kite_ru_pool.worker_caches import WorkerCaches
 from kite_ru_pool.worker_events import WorkerEvents
+from kite_ru_pool.worker_hits import WorkerHits
 from kite_ru_pool.writes import PoolWrites
 
 
@@ -72,6 +74,7 @@ class PoolCore:
                                  clock, self.background)
         self.reads = PoolReads(self.index, self.io, self.workers, self.writes, self.namespaces, self.changes,
                                self.counters, clock, self.background)
+        self.worker_hits = WorkerHits(self.index, self.reads, self.counters, self.background)
         self.maintenance = Maintenance(self.index, self.io, self.writes, self.catalog, self.worker_events,
                                        self.workers, self.changes, self.counters, clock, self.background,
                                        archive_after_s=archive_after_s, warm_ttl_s=warm_ttl_s,

@@ -28,6 +28,8 @@ class Counters:
     warm_renewed: int = 0
     cold_expired: int = 0
     lookups: int = 0
+    worker_hits: int = 0  # blocks workers reported reading from warm or cold themselves (TierHits)
+    worker_hits_dropped: int = 0  # ... not promoted: the promotion queue was full (worker_hits.MAX_WAITING)
     worker_event_gaps: int = 0
     purged: int = 0
     warm_writes_dropped: int = 0

@@ -1,7 +1,9 @@
 """Keep Python's cyclic garbage collector from walking the ru-pool's block index (issue 4).
 
-The index holds a few small objects per block (its Entry, the tenant ledger's identity) that never form
-reference cycles and live for hours: exactly what a full (generation 2) collection walks for nothing.
+The pool holds small objects per block (the hot LRU's keys, the worker caches' entries; before issue 38
+also the index's Entry and tenant-ledger tuple, where its arrays, hashes and slot numbers now are not
+tracked by the collector at all) that never form reference cycles and live for hours: exactly what a
+full (generation 2) collection walks for nothing.
 It walks them on the event loop, 10-15 ms per 100,000 tracked objects on a 2-core VM, and CPython
 runs one whenever a quarter more objects have survived since the last: with a large index that is a
 stall of tens to hundreds of milliseconds for every request in flight, at unpredictable moments.

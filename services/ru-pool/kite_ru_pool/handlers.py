@@ -6,8 +6,9 @@ Boundary: the only module that knows subjects and messages (with replicas.py for
 top of the coordinating layer: a put, a lookup, a get or an admin request is one call into it, and the
 reply is built from what comes back; no handler calls the lower layers (index, tier I/O, worker
 caches). A put goes to writes.PoolWrites, a lookup and a get to reads.PoolReads, worker events to
-worker_events.WorkerEvents, fingerprints, quarantines and shadow checks to catalog.Catalog (then
-maintenance.Maintenance purges on the leading replica), admin requests to admin.PoolAdmin. The framework
+worker_events.WorkerEvents, workers' tier hits to worker_hits.WorkerHits, fingerprints, quarantines and
+shadow checks to catalog.Catalog (then maintenance.Maintenance purges on the leading replica), admin
+requests to admin.PoolAdmin. The framework
 decodes, traces, sets the request context, answers a bad message with `invalid_message` and a handler
 bug with `internal_error`, and counts; handlers here return the reply (None for events) or raise
 Refusal.
@@ -17,6 +18,7 @@ Refusal.
     kite.v1.pool.lookup          ru-pool   PoolLookupReply     lookup   (span kite.ru_pool.lookup)
     kite.v1.pool.get             ru-pool   PoolGetReply        get      (span kite.ru_pool.get)
     kite.v1.pool.admin           ru-pool   PoolAdminReply      admin
+    kite.v1.pool.tier_hits       ru-pool   none                tier_hits (promotion, in the background)
     kite.v1.pool.replica.<instance>.{put,lookup,get,admin}   -   the same, this replica only
     kite.v1.pool.block_events    -         none                block_event
     kite.v1.model.fingerprint    -         none                model_fingerprint
@@ -45,7 +47,7 @@ from kite_shared import security, subjects
 from kite_shared.endpoints import Endpoint
 from kite_shared.messages import (
     BlockRemoved, BlockStored, Decision, Heartbeat, ModelFingerprintChanged, PoolAdminReply, PoolGetReply,
-    PoolGetRequest, PoolLookupReply, PoolLookupRequest, ShadowCheckResult,
+    PoolGetRequest, PoolLookupReply, PoolLookupRequest, ShadowCheckResult, TierHits,
 )
 from kite_shared.tiers import metrics
 from kite_shared.tiers.block_stream import BlockStreamServer
@@ -84,6 +86,7 @@ class PoolHandlers:
         self.writes = core.writes
         self.catalog = core.catalog
         self.worker_events = core.worker_events
+        self.worker_hits = core.worker_hits
         self.maintenance = core.maintenance
         self.admin = admin
         self.nc = nc
@@ -98,10 +101,11 @@ class PoolHandlers:
         return self.shared_endpoints() + self.own_endpoints()
 
     def shared_endpoints(self) -> list[Endpoint]:
-        """Puts, lookups, gets and admin on the `ru-pool` queue group: one replica answers each."""
+        """Puts, lookups, gets, admin and the workers' tier hits on the `ru-pool` queue group: one replica
+        takes each (a tier hit is promoted into that replica's hot tier)."""
         return self._block_path({op: subject for op, subject in (
             ("put", subjects.POOL_PUT), ("lookup", subjects.POOL_LOOKUP), ("get", subjects.POOL_GET),
-            ("admin", subjects.POOL_ADMIN))})
+            ("admin", subjects.POOL_ADMIN))}) + [Endpoint(subjects.POOL_TIER_HITS, self.tier_hits)]
 
     def own_endpoints(self) -> list[Endpoint]:
         """What reaches every replica: worker events, heartbeats and fingerprints; and this replica's own
@@ -148,6 +152,9 @@ class PoolHandlers:
                                 stream_tls=self.stream.tls, tiers=found.tiers, complete=found.complete,
                                 error=found.error)
         return _inline(found, len(found.units))
+
+    async def tier_hits(self, hits: TierHits) -> None:
+        self.worker_hits.reported(hits.model_fingerprint, hits.tenant_tag, hits.block_hashes, hits.tiers)
 
     async def _hand_off(self, found: FoundBlocks, inline_budget: int) -> PoolGetReply:
         """The units as files: the hot files that hold them when every one is in one (nothing written),

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 WORKER_FORGET_AFTER_S = 30.0  # a worker silent this long (no heartbeat, no events) is presumed gone
 SWEEP_STEP_ENTRIES = 1000  # index entries a sweep examines per event-loop turn (0.2-0.5 ms, 2 vCPU)
+SWEEP_ACTIONS_PER_TURN = 64  # decisions one carrier of a sweep carries out at most per event-loop turn
 
 
 class Maintenance:
@@ -271,18 +272,22 @@ class Maintenance:
         while not sweep.step(SWEEP_STEP_ENTRIES):
             await asyncio.sleep(0)
         self._swept_totals = sweep.tier_totals()
-        actions = sweep.actions()
         if not self.index.rebuilding:
             self.gc.maybe_freeze(self.index.num_blocks())
         if not leading or not self.leading():  # (the lease may have gone during the walk)
             return
         self.counters.sweeps += 1
-        sem = asyncio.Semaphore(FETCH_CONCURRENCY)
+        # FETCH_CONCURRENCY carriers take the decisions in order from the pass's lazy merge: the order
+        # and concurrency of a semaphore over one task per decision, without sorting every decision or
+        # making a task for each in one go (at 10^6 blocks either held the event loop, issue 38).
+        pending = sweep.ordered_actions()
 
-        async def run(action) -> None:
-            async with sem:
+        async def carry() -> None:
+            for n, action in enumerate(pending, 1):
                 await self._carry_out(action)
-        await asyncio.gather(*(run(a) for a in actions))
+                if n % SWEEP_ACTIONS_PER_TURN == 0:
+                    await asyncio.sleep(0)  # tier calls that answer at once would never let go
+        await asyncio.gather(*(carry() for _ in range(FETCH_CONCURRENCY)))
 
     def sweep(self, now: float, warm_up: bool, cold_up: bool) -> list[Action]:
         """Archival, warm lease renewal and cold TTL decisions, oldest idle first (ties by key).

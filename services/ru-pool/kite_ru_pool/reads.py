@@ -1,6 +1,7 @@
 """Reads: lookups ("how much of this chain does the pool hold, in which tier, and how much does each
 worker's own cache hold?") and gets (the leading verified units of a chain: hot first, then warm and cold
-read in batches, promoting what they read).
+read in batches, promoting what they read); and the same promotion of a block a worker read from warm or
+cold itself (`promote_reported`, which worker_hits.WorkerHits calls).
 
 Boundary: part of the coordinating layer. A lookup calls the lower layers once each (tier_io.TierIO for
 the tiers up, index.BlockIndex for the prefixes, worker_caches.WorkerCaches for the workers'); a get
@@ -175,9 +176,23 @@ class PoolReads:
             return
         self.changes.hits([k for k in keys if self.index.tiers_of(k) & (WARM | COLD)], self.clock())
 
+    async def promote_reported(self, model_fingerprint: str, block_hash: bytes, tenant_tag: str,
+                               found_in: int = 0) -> bool:
+        """A block a worker read from warm or cold itself (`found_in`: WARM or COLD, where it found it;
+        0: not said), promoted as a get's read of it would be: read from warm, else cold, into hot, and
+        from cold into warm too. False when nothing was read: the model is invalidated, hot holds the
+        block already, or no tier has it now. Counted as a promotion only when hot took it."""
+        if self.index.is_tag_invalidated(model_tag(model_fingerprint)):
+            return False
+        if self.index.tiers_of(BlockKey.of(model_fingerprint, block_hash, tenant_tag)) & HOT:
+            return False
+        return await self._fetch_remote(model_fingerprint, block_hash, tenant_tag, also=found_in) is not None
+
     async def _fetch_remote(self, model_fingerprint: str, block_hash: bytes,
-                            tenant_tag: str) -> tuple[bytes, str] | None:
-        """A verified unit from warm, else cold, promoted on the way; None on a miss."""
+                            tenant_tag: str, also: int = 0) -> tuple[bytes, str] | None:
+        """A verified unit from warm, else cold, promoted on the way; None on a miss. `also`: tiers to
+        ask even when the index does not know the block there (a worker just read it there: the
+        write or rebuild that tells this replica may not have arrived yet)."""
         key = BlockKey.of(model_fingerprint, block_hash, tenant_tag)
         entry = self.index.entry(key)
         if entry is not None and entry.tenant_tag != tenant_tag:
@@ -186,7 +201,7 @@ class PoolReads:
         # While the index is rebuilding it may not know the block yet: ask the tiers anyway.
         try_all = self.index.rebuilding and not known
         for tier, bit, letter in ((self.io.warm, WARM, "w"), (self.io.cold, COLD, "c")):
-            if tier is None or not (known & bit or try_all):
+            if tier is None or not (known & bit or try_all or also & bit):
                 continue
             found = await tier.get_unit(model_fingerprint, block_hash, tenant_tag)
             if found is None:

@@ -1,6 +1,6 @@
 """Tenants: what each tenant stores in the pool (blocks and bytes) and its quota.
 
-Boundary: pure bookkeeping over block identities (model tag, block hash) and sizes. It knows nothing of
+Boundary: pure bookkeeping of block counts and sizes. It knows nothing of
 tiers, index entries or storage, and calls nothing of the pool: the block index (index.py) keeps the
 ledgers in step as blocks come and go, and writes.PoolWrites asks `quota_victims` which of a tenant's
 blocks to drop for a put (the index lists the candidates) and then has catalog.Catalog drop them.
@@ -25,7 +25,7 @@ at that tenant's next put.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable
 
 QUOTA_EVICT_TO = 0.9  # a tenant over its quota is brought down to this fraction of it (docstring)
@@ -34,14 +34,34 @@ QUOTA_RECENCY_GRAIN_S = 1.0  # last hits closer than this count as equally recen
 Ident = tuple[str, bytes]  # (model tag, block hash): a block in the index
 
 
+class BlockCount:
+    """A ledger's blocks as a sized figure (`len`, truth): the ledger counts them, the block index lists
+    them (index.BlockIndex.tenant_blocks), so no per-block identity is kept twice (issue 38)."""
+
+    __slots__ = ("_n",)
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __repr__(self) -> str:
+        return f"BlockCount({self._n})"
+
+
 @dataclass
 class TenantLedger:
-    """One tenant's blocks in the pool (index identities) and their total encoded size."""
+    """One tenant's blocks in the pool (how many) and their total encoded size."""
 
     num_bytes: int = 0
-    blocks: set[Ident] = field(default_factory=set)  # (model tag, block hash)
+    num_blocks: int = 0
     quota_evictions: int = 0  # blocks dropped to keep the tenant under its quota
     quota_refused: int = 0  # puts refused: pinned blocks left no room, or the block exceeds the quota
+
+    @property
+    def blocks(self) -> BlockCount:
+        return BlockCount(self.num_blocks)
 
 
 class Tenants:
@@ -66,21 +86,27 @@ class Tenants:
         """Ledgers by tenant tag (of one tenant when given: an empty ledger if it stores nothing)."""
         if tenant_tag is not None:
             return {tenant_tag: self.ledgers.get(tenant_tag) or TenantLedger()}
-        return {t: ledger for t, ledger in sorted(self.ledgers.items()) if ledger.blocks
+        return {t: ledger for t, ledger in sorted(self.ledgers.items()) if ledger.num_blocks
                 or ledger.quota_evictions or ledger.quota_refused}
 
     # --- kept in step by the index ------------------------------------------------------------------
-    def added(self, tenant_tag: str, ident: Ident) -> None:
-        self.ledger(tenant_tag).blocks.add(ident)
+    # The index calls these once per block it starts or stops holding (`ident`, the block, is not kept:
+    # the index lists a tenant's blocks itself).
+    def added(self, tenant_tag: str, ident: Ident | None = None) -> None:
+        self.ledger(tenant_tag).num_blocks += 1
 
     def resized(self, tenant_tag: str, delta: int) -> None:
         self.ledger(tenant_tag).num_bytes += delta
 
-    def removed(self, tenant_tag: str, ident: Ident, size: int) -> None:
+    def removed(self, tenant_tag: str, ident: Ident | None, size: int) -> None:
+        self.released(tenant_tag, 1, size)
+
+    def released(self, tenant_tag: str, num_blocks: int, num_bytes: int) -> None:
+        """`num_blocks` of the tenant's blocks, `num_bytes` in all, left the index (a tag cleared)."""
         ledger = self.ledgers.get(tenant_tag)
         if ledger is not None:
-            ledger.blocks.discard(ident)
-            ledger.num_bytes -= size
+            ledger.num_blocks -= num_blocks
+            ledger.num_bytes -= num_bytes
 
     # --- quotas -------------------------------------------------------------------------------------
     def quota_victims(self, tenant_tag: str, size: int,

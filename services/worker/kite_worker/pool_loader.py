@@ -3,8 +3,10 @@
 Boundary: runs on the worker's asyncio thread, before a request enters the engine queue. It knows the
 ru-pool's NATS client (lookup, and `get` for blocks only in the pool's memory) and the shared tier
 client (warm Redis and cold S3/folder are read directly: docs/ru-pool.md measured direct reads several
-times faster than relaying ~369 KB units through the pool over NATS). It never touches the block cache:
-loaded blocks ride on the Sequence and the engine thread inserts them.
+times faster than relaying ~369 KB units through the pool over NATS). Since the pool never sees those
+reads, the loader reports them (kite_shared.tiers.hit_report: batched, off the request's path) and the
+pool promotes them into hot as its own get would have. It never touches the block cache: loaded blocks
+ride on the Sequence and the engine thread inserts them.
 
 Cost model (the LMCache lesson, #1639: a slow tier must never make a hit slower than a miss):
     fetch_time(k)     = sum over the tiers used by the first k missing blocks of
@@ -33,6 +35,7 @@ from kite_shared.recyclable_unit import RecyclableUnit, RUError, payload_bytes
 from kite_shared.security import ANONYMOUS_TENANT, tenant_tag
 from kite_shared.tier_codecs import TierCodecs
 from kite_shared.tiers.base import check_units
+from kite_shared.tiers.hit_report import HitReporter
 from kite_worker import codec_tensors
 
 log = logging.getLogger(__name__)
@@ -105,7 +108,8 @@ class CostModel:
 class PoolLoader:
     def __init__(self, pool, tier_client, cost: CostModel, model_fingerprint: str,
                  block_shape: tuple[int, ...], storage_dtype: torch.dtype, mac_key: bytes | None,
-                 staging_bytes: int = 64 << 20, tier_codecs: TierCodecs = TierCodecs()) -> None:
+                 staging_bytes: int = 64 << 20, tier_codecs: TierCodecs = TierCodecs(),
+                 report_hits: bool = True) -> None:
         self.pool = pool  # kite_shared.tiers.pool_client.PoolClient
         self.tier_client = tier_client  # kite_shared.tiers.client.TierClient | None
         self.cost = cost
@@ -117,6 +121,12 @@ class PoolLoader:
         # The codecs this worker's namespace stores (its fingerprint says so): lossy units load only when
         # one of its tiers has their codec.
         self.tier_codecs = tier_codecs
+        # Blocks read from warm or cold here are reported to the pool, which promotes them as its own get
+        # would have (docs/ru-pool.md, "Lifecycle", Promotion); without a pool or direct reads there is
+        # nothing to report. `report_hits=False` only for tests that show what the reports change.
+        self.hits: HitReporter | None = (
+            HitReporter(pool.tier_hits, worker_id=pool.worker_id)
+            if report_hits and pool is not None and tier_client is not None else None)
         self._staged: OrderedDict[BlockHash, torch.Tensor] = OrderedDict()
         self._staged_bytes = 0
         self._lock = asyncio.Lock()
@@ -149,6 +159,11 @@ class PoolLoader:
             for block_hash, tensor in fetched:
                 self._stage(block_hash, tensor)
             return staged + fetched
+
+    async def flush_hits(self) -> None:
+        """Report the pending direct hits now (a worker stopping; tests)."""
+        if self.hits is not None:
+            await self.hits.flush()
 
     def forget_staged(self) -> None:
         """Drop every staged block (a namespace was quarantined: none of its loaded copies may be reused)."""
@@ -224,10 +239,15 @@ class PoolLoader:
         owner = tenant_tag(tenant)
         warm, cold = (self.tier_client.warm, self.tier_client.cold) if self.tier_client else (None, None)
 
+        direct_hits: list[int] = []  # blocks read from warm or cold here ...
+        hit_letters = bytearray()  # ... and the tier each came from
+
         def take(i: int, found, letter: str) -> bool:
             if found is None:
                 return False
             results[i] = found[0]
+            direct_hits.append(i)
+            hit_letters.append(ord(letter))
             tier = arrived.setdefault(letter, [0, 0.0])
             tier[0] += len(found[1])
             tier[1] = time.perf_counter()
@@ -255,6 +275,10 @@ class PoolLoader:
         finally:  # also when the deadline cut the fetch short: what arrived by then is a measurement
             for letter, (num_bytes, last) in arrived.items():
                 self.cost.tiers[letter].observe(last - direct_started, num_bytes)
+            # ... and a hit worth promoting: the next request for it is then served from hot.
+            if self.hits is not None and direct_hits:
+                self.hits.record(model_fingerprint, owner, [bytes(hashes[i]) for i in direct_hits],
+                                 bytes(hit_letters))
         return results
 
     def _verified(self, hashes: list[BlockHash], units: list[Buffer | RecyclableUnit | None], owner: str,

@@ -45,6 +45,23 @@ BLOCK_EVENT: OneOf[BlockStored | BlockRemoved] = OneOf("block event", BlockStore
 
 
 
+class TierHits(Message):
+    """worker -> one ru-pool replica (subjects.POOL_TIER_HITS, queue group ru-pool): blocks this worker read
+    from warm or cold itself, which the pool's get therefore never saw. The replica promotes them as a get
+    would have (kite_ru_pool.worker_hits), so the next request for them reads hot. Batched and best-effort:
+    a lost message costs a promotion, never a request."""
+
+    KIND: ClassVar[str] = "tier_hits"
+    worker_id: str = ""  # the reporting worker (logs only)
+    model_fingerprint: str  # hex, the namespace's (the base model's or an adapter's)
+    # The blocks' owner (kite_shared.security.tenant_tag), part of their storage keys; a tag, not the name,
+    # which never needs to reach the pool for this.
+    tenant_tag: str
+    block_hashes: list[bytes]  # 32 bytes each, each once; any order
+    # tiers[i]: where block_hashes[i] was read, b"w" warm or b"c" cold (a cold hit is also copied to warm)
+    tiers: bytes = b""
+
+
 class ModelFingerprintChanged(Message):
     """fingerprinter -> all (subjects.MODEL_FINGERPRINT): the fingerprint now current for a model name.
 

@@ -46,3 +46,7 @@ POOL_QUOTA_REFUSED = Counter(
     "kite_pool_quota_refused_total",
     "Puts the ru-pool refused because the tenant's pinned blocks fill its quota (or the block alone "
     "exceeds it).")
+TIER_HITS_UNREPORTED = Counter(
+    "kite_tier_hits_unreported_total",
+    "Blocks a worker read from warm or cold itself that it could not report to the ru-pool for promotion "
+    "(its batch of pending reports was full, or the publish failed): those blocks are not promoted.")

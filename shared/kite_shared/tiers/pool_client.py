@@ -1,4 +1,4 @@
-"""NATS client of the ru-pool, for workers and tools: put, lookup, get, worker cache events, admin.
+"""NATS client of the ru-pool, for workers and tools: put, lookup, get, worker cache events, tier hits, admin.
 
 Never raises on a pool that is absent, slow or failing: lookups and gets return None / [] (a miss, so
 the caller computes), puts and events are fire-and-forget publishes. Bad arguments still raise.
@@ -23,7 +23,7 @@ from kite_shared.tiers import handoff as kite_handoff
 from kite_shared.tracing import headers_with_context
 from kite_shared.messages import (
     BlockRemoved, BlockStored, ModelFingerprintChanged, PoolAdminReply, PoolAdminRequest,
-    PoolGetReply, PoolGetRequest, PoolLookupReply, PoolLookupRequest, decode_or_log,
+    PoolGetReply, PoolGetRequest, PoolLookupReply, PoolLookupRequest, TierHits, decode_or_log,
 )
 
 log = logging.getLogger(__name__)
@@ -142,6 +142,16 @@ class PoolClient:
         await self._publish(subjects.POOL_BLOCK_EVENTS, BlockRemoved(
             worker_id=self.worker_id, model_fingerprint=model_fingerprint,
             block_hashes=list(block_hashes), all_blocks=all_blocks, seq=next(self._seq)).encode())
+
+    async def tier_hits(self, hits: TierHits) -> bool:
+        """Report blocks this worker read from warm or cold itself, for the pool to promote
+        (kite_shared.tiers.hit_report sends these). False if not sent."""
+        try:
+            await self.nc.publish(subjects.POOL_TIER_HITS, hits.encode())
+            return True
+        except Exception as exc:  # connection closed or reconnecting: a lost report costs a promotion only
+            log.debug("tier hit report not sent: %r", exc)
+            return False
 
     async def model_fingerprint_changed(self, model_name: str, fingerprint: str, previous: str = "") -> None:
         await self._publish(subjects.MODEL_FINGERPRINT, ModelFingerprintChanged(

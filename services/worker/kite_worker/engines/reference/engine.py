@@ -120,12 +120,15 @@ class ReferenceEngine:
         return self.scheduler.idle()
 
     async def close(self, bus_connected: bool) -> None:
-        """Ends the engine thread (5 s at most), hands the outbox's blocks to the pool and closes the tier
-        connections; without a bus the puts fail at once, so the end is the same."""
+        """Ends the engine thread (5 s at most), hands the outbox's blocks and the pending tier-hit reports
+        to the pool and closes the tier connections; without a bus the puts fail at once, so the end is
+        the same."""
         self.scheduler.stop()
         await asyncio.to_thread(self.scheduler.join, 5.0)
         if self.outbox is not None:
             await self.outbox.flush()
+        if self.loader is not None:
+            await self.loader.flush_hits()  # the last direct hits, for the pool to promote
         if self.tier_client is not None:
             await self.tier_client.close()
 
