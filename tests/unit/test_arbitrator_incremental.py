@@ -185,3 +185,13 @@ def test_linear_plan_equals_the_quadratic_one(seed):
         weights = rng.choice([(1, 1, 1), (5, 1, 1), (1, 1, 5), (0, 1, 0)])
         letters = bytes(rng.choices(b"hwc", weights=weights, k=n))
         assert cost.plan(letters) == reference_plan(cost, letters), letters
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_prefix_fetch_times_are_the_same_floats(seed):
+    """The linear pass sums each prefix's tiers in fetch_seconds' order: bit-identical, not merely close."""
+    rng = random.Random(seed)
+    cost = _cost_model(rng)
+    letters = bytes(rng.choices(b"hwc", k=200))
+    assert list(cost.prefix_fetch_seconds(letters)) == [cost.fetch_seconds(letters[:k])
+                                                         for k in range(1, len(letters) + 1)]
