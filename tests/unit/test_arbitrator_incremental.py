@@ -66,6 +66,11 @@ def _worker(rng: random.Random, wid: str, now: float) -> WorkerTelemetry:
         activation_latency_s=rng.choice([None, None, 0.5]))
 
 
+_FIELDS = ["queue_depth", "num_running", "max_running", "prefill_backlog_tokens", "prefill_tokens_per_s",
+           "cache_bytes", "cache_capacity_bytes", "memory_used_fraction", "local_hit_rate", "ttft_p99_s",
+           "healthy", "standby", "draining", "requests_accepted", "activation_decision_id"]
+
+
 def _other(rng: random.Random, now: float):
     kind = rng.randrange(3)
     if kind == 0:
@@ -96,10 +101,16 @@ def _run_trace(seed: int) -> tuple[int, int, int]:
     ids = [f"w{i:02d}" for i in range(rng.choice([3, 8, 25, 60]))]
     now = 0.0
     num_decisions = num_evaluations = 0
+    last: dict[str, WorkerTelemetry] = {}
     for _ in range(rng.choice([300, 600])):
         r = rng.random()
         if r < 0.55:
-            message = _worker(rng, rng.choice(ids), now)
+            wid = rng.choice(ids)
+            message = _worker(rng, wid, now)
+            if wid in last and rng.random() < 0.6:  # mostly one field changed, as real telemetry does
+                name = rng.choice(_FIELDS)
+                message = last[wid].model_copy(update={name: getattr(message, name), "sent_at": now})
+            last[wid] = message
             new.observe(message, now), old.observe(message, now)
         elif r < 0.62:
             message = _other(rng, now)
@@ -195,3 +206,19 @@ def test_prefix_fetch_times_are_the_same_floats(seed):
     letters = bytes(rng.choices(b"hwc", k=200))
     assert list(cost.prefix_fetch_seconds(letters)) == [cost.fetch_seconds(letters[:k])
                                                          for k in range(1, len(letters) + 1)]
+
+
+def test_signal_fields_name_every_input_of_every_worker_signal():
+    """A worker is judged again only when a field in SIGNAL_FIELDS of a rule's signal changed: a field
+    missing there would silently freeze that rule."""
+    from kite_arbitrator.core import SIGNAL_FIELDS
+    from kite_arbitrator.rules import WORKER_SIGNALS
+    assert set(SIGNAL_FIELDS) == set(WORKER_SIGNALS)
+    rules, version = load_rules(None)
+    c = ArbitratorCore(rules=rules, rules_version=version)
+    rng = random.Random(7)
+    for _ in range(200):
+        a, b = _worker(rng, "w", 0.0), _worker(rng, "w", 0.0)
+        for name, fields in SIGNAL_FIELDS.items():
+            mixed = b.model_copy(update={f: getattr(a, f) for f in fields})
+            assert c.worker_signals(mixed)[name] == c.worker_signals(a)[name], name

@@ -30,6 +30,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import operator
 import os
 import statistics
 from dataclasses import dataclass, field
@@ -41,6 +42,20 @@ from kite_arbitrator.worker_view import WorkerView
 
 # a standby/active change is assumed lost if the worker's telemetry has not confirmed it by then
 _WARM_CONFIRM_S = 5.0
+
+# The WorkerTelemetry fields each worker signal is computed from (worker_signals): new telemetry makes a
+# worker's rules worth judging again only when a field some worker rule reads has changed.
+SIGNAL_FIELDS = {
+    "queue_depth": ("queue_depth",), "num_running": ("num_running",),
+    "utilization": ("num_running", "queue_depth", "max_running"), "running_tokens": ("running_tokens",),
+    "prefill_backlog_tokens": ("prefill_backlog_tokens",), "cache_fill": ("cache_bytes", "cache_capacity_bytes"),
+    "memory_used_fraction": ("memory_used_fraction",), "local_hit_rate": ("local_hit_rate",),
+    "prefill_tokens_per_s": ("prefill_tokens_per_s",), "decode_tokens_per_s": ("decode_tokens_per_s",),
+    "ttft_p50_s": ("ttft_p50_s",), "ttft_p99_s": ("ttft_p99_s",),
+    "predicted_ttft_s": ("prefill_backlog_tokens", "prefill_tokens_per_s"),
+    "ttft_over_slo": ("prefill_backlog_tokens", "prefill_tokens_per_s"), "healthy": ("healthy",),
+    "standby": ("standby",),
+}
 
 
 @dataclass
@@ -81,6 +96,8 @@ class ArbitratorCore:
     _seen_rules: RuleSet | None = None  # `rules` at the last evaluation (identity: RuleSet equality is deep)
     _seen_params: tuple = ()  # (min_hold_s, ttft_slo_s) at the last evaluation
     _num_current: int = 0  # len(current) after the last evaluation
+    _inputs: dict[str, tuple] = field(default_factory=dict)  # worker -> what its rules read, last telemetry
+    _inputs_of: tuple = (None, None)  # (rules, getter of the fields the worker rules read)
 
     # --- inputs ----------------------------------------------------------------------------------
     def observe(self, message: AnyTelemetry, now: float) -> None:
@@ -90,12 +107,18 @@ class ArbitratorCore:
                 self.workers.pop(message.instance_id, None)
                 self._view.drop(message.instance_id)
                 return
-            self.workers[message.instance_id] = _Seen(message, now)
-            self._view.observe(message.instance_id, message, now)
-            self._dirty.add(message.instance_id)
+            wid = message.instance_id
+            was_fresh = self._view.is_fresh(wid)  # as of the last evaluation
+            self.workers[wid] = _Seen(message, now)
+            self._view.observe(wid, message, now)
+            inputs = self._rule_inputs(message)
+            if not was_fresh or self._inputs.get(wid) != inputs:
+                self._dirty.add(wid)
+            self._inputs[wid] = inputs
             pending = self._warm_pending.get(message.instance_id)
             if pending is not None and pending[0] == message.standby:
                 del self._warm_pending[message.instance_id]
+                self._dirty.add(wid)
             # Each activation once: a worker reports its last one in every telemetry message.
             if message.activation_latency_s is not None and \
                     self._activations_seen.get(message.instance_id) != message.activation_decision_id:
@@ -280,6 +303,16 @@ class ArbitratorCore:
         return out
 
     # --- incremental bookkeeping -----------------------------------------------------------------------
+    def _rule_inputs(self, t: WorkerTelemetry) -> tuple:
+        """The telemetry fields the worker rules read (equal values: equal judgments)."""
+        rules, getter = self._inputs_of
+        if rules is not self.rules:
+            names = sorted({f for r in self.rules.rules if r.scope == "worker" for s in r.when
+                            for f in SIGNAL_FIELDS[s]})
+            getter = operator.attrgetter(*names, "instance_id") if names else (lambda _: ())
+            self._inputs_of = self.rules, getter
+        return getter(t)
+
     def _to_judge(self, now: float) -> list[str]:
         """The fresh workers whose write policy may change at `now`, sorted (the order of a full rescan)."""
         view = self._view
