@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 _EXACT_SHIFT = 1074  # every finite float is an integer multiple of 2**-1074
+_isfinite, _copysign = math.isfinite, math.copysign
 
 
 def _exact(x: float) -> int:
@@ -33,27 +34,27 @@ def _exact(x: float) -> int:
     return num << (_EXACT_SHIFT - den.bit_length() + 1)
 
 
-def _odd(x: float) -> bool:
-    return x != x or (x == 0.0 and math.copysign(1.0, x) < 0) or x in (math.inf, -math.inf)
 
 
 class _Lowest:
     """The lowest value over a set of workers, with removals (a lazy-deletion heap of (value, worker))."""
 
-    __slots__ = ("live", "heap")
+    __slots__ = ("live", "heap", "limit")
 
     def __init__(self) -> None:
         self.live: dict[str, float] = {}
         self.heap: list[tuple[float, str]] = []
+        self.limit = 64  # heap entries beyond which the dead ones are swept out
 
     def set(self, wid: str, value: float) -> None:
-        if self.live.get(wid) == value and wid in self.live:
-            return  # its entry is still in the heap and live
+        """`wid`'s value is `value` (callers skip unchanged values: an unchanged one pushes a duplicate)."""
         self.live[wid] = value
-        heapq.heappush(self.heap, (value, wid))
-        if len(self.heap) > 2 * len(self.live) + 64:
-            self.heap = [(v, w) for w, v in self.live.items()]
-            heapq.heapify(self.heap)
+        heap = self.heap
+        heapq.heappush(heap, (value, wid))
+        if len(heap) > self.limit:
+            self.heap = heap = [(v, w) for w, v in self.live.items()]
+            heapq.heapify(heap)
+            self.limit = 2 * len(heap) + 64
 
     def discard(self, wid: str) -> None:
         self.live.pop(wid, None)
@@ -143,21 +144,58 @@ class WorkerView:
     # --- updates -------------------------------------------------------------------------------------
     def observe(self, wid: str, t, at: float) -> None:
         """Worker `wid`'s telemetry `t` (a WorkerTelemetry, not draining) received at `at`."""
-        old = self.workers.get(wid)
-        if old is not None and old.fresh:
-            self._remove(wid, old)
-        hit = t.local_hit_rate
-        p99 = t.ttft_p99_s
-        fill = t.cache_bytes / t.cache_capacity_bytes if t.cache_capacity_bytes else 0.0
-        odd = _odd(hit) or _odd(p99) or _odd(fill)
+        hit, p99, capacity = t.local_hit_rate, t.ttft_p99_s, t.cache_capacity_bytes
+        fill = t.cache_bytes / capacity if capacity else 0.0
+        rate = t.prefill_tokens_per_s
+        predicted = t.prefill_backlog_tokens / rate if rate > 0 else 0.0
+        # A NaN or a -0.0 would make min / max depend on the order of the workers (fsum ignores the sign
+        # of a zero; a negative capacity is the only way to a -0.0 fill).
+        odd = not (_isfinite(hit) and _isfinite(p99)) or (p99 == 0.0 and _copysign(1.0, p99) < 0) or \
+            (capacity < 0 and fill == 0.0)
+        queue, running, healthy, standby = t.queue_depth, t.num_running, t.healthy, t.standby
         self._seq += 1
-        w = _Worker(self._seq, at, True, t.healthy, t.standby, t.queue_depth, max(1, t.max_running),
-                    t.num_running + t.queue_depth,
-                    t.prefill_backlog_tokens / t.prefill_tokens_per_s if t.prefill_tokens_per_s > 0 else 0.0,
-                    p99, fill, hit, 0 if odd else _exact(hit), t.requests_accepted, odd)
-        self.workers[wid] = w
-        heapq.heappush(self._fresh_heap, (at, w.seq, wid))
-        self._add(wid, w)
+        heapq.heappush(self._fresh_heap, (at, self._seq, wid))
+        w = self.workers.get(wid)
+        if w is None or not w.fresh or w.healthy != healthy or w.standby != standby or odd or w.odd:
+            if w is not None and w.fresh:
+                self._remove(wid, w)
+            w = _Worker(self._seq, at, True, healthy, standby, queue, max(1, t.max_running), running + queue,
+                        predicted, p99, fill, hit, _exact(hit) if _isfinite(hit) else 0,
+                        t.requests_accepted, odd)
+            self.workers[wid] = w
+            self._add(wid, w)
+            return
+        # The same kind of worker as before: the sums move by the difference, the heaps only for values
+        # that changed (most, in a steady fleet, do not). A standby worker's values are kept too: an
+        # override may count it as active.
+        active = healthy and not standby
+        w.seq, w.at = self._seq, at
+        if fill != w.fill:
+            w.fill = fill
+            self.fill.set(wid, -fill)
+        slots, busy, accepted = max(1, t.max_running), running + queue, t.requests_accepted
+        if active:
+            self.queue += queue - w.queue
+            self.slots += slots - w.slots
+            self.busy += busy - w.busy
+            if busy == 0 and (w.busy != 0 or accepted != w.accepted):
+                self.idle.set(wid, accepted)
+            elif busy != 0 and w.busy == 0:
+                self.idle.discard(wid)
+        w.queue, w.slots, w.busy, w.accepted = queue, slots, busy, accepted
+        if hit != w.hit:
+            hit_exact = _exact(hit)
+            if active:
+                self.hit_exact += hit_exact - w.hit_exact
+            w.hit, w.hit_exact = hit, hit_exact
+        if predicted != w.predicted:
+            w.predicted = predicted
+            if active:
+                self.predicted.set(wid, predicted)
+        if p99 != w.p99:
+            w.p99 = p99
+            if active:
+                self.p99.set(wid, -p99)
 
     def drop(self, wid: str) -> None:
         """Forget `wid` (draining, or forgotten by the core)."""
