@@ -97,7 +97,6 @@ class ArbitratorCore:
     _seen_params: tuple = ()  # (min_hold_s, ttft_slo_s) at the last evaluation
     _num_current: int = 0  # len(current) after the last evaluation
     _inputs: dict[str, tuple] = field(default_factory=dict)  # worker -> what its rules read, last telemetry
-    _incoming: dict[str, None] = field(default_factory=dict)  # workers with telemetry the view has not taken
     _inputs_of: tuple = (None, None)  # (rules, getter of the fields the worker rules read)
 
     # --- inputs ----------------------------------------------------------------------------------
@@ -108,10 +107,15 @@ class ArbitratorCore:
             if message.draining:
                 self.workers.pop(wid, None)
                 self._view.drop(wid)
-                self._incoming.pop(wid, None)
                 return
             self.workers[wid] = _Seen(message, now)
-            self._incoming[wid] = None  # the view takes the latest at the next evaluation
+            # Judged again at the next evaluation only when what its rules read changed, or when it was
+            # not fresh at the last evaluation (its rules were not judged while it was stale).
+            inputs = self._rule_inputs(message)
+            if not self._view.is_fresh(wid) or self._inputs.get(wid) != inputs:
+                self._dirty.add(wid)
+            self._inputs[wid] = inputs
+            self._view.observe(wid, message, now)
             pending = self._warm_pending.get(message.instance_id)
             if pending is not None and pending[0] == message.standby:
                 del self._warm_pending[message.instance_id]
@@ -230,7 +234,6 @@ class ArbitratorCore:
         pools = self._fresh(self.pools, now)
         fingerprinters = self._fresh(self.fingerprinters, now)
         view = self._view
-        self._take_incoming()
         if view.advance(now, self.stale_s, self.workers, 60 * self.stale_s):
             self._judge_all = True
         out: list[Decision] = []
@@ -301,20 +304,6 @@ class ArbitratorCore:
         return out
 
     # --- incremental bookkeeping -----------------------------------------------------------------------
-    def _take_incoming(self) -> None:
-        """Into the view: each worker's latest telemetry since the last evaluation (one update for a
-        worker that reported several times). A worker is judged again when what its rules read changed
-        since the telemetry of its last judgment, or when it was not fresh at the last evaluation."""
-        view, workers, inputs_of, dirty = self._view, self.workers, self._inputs, self._dirty
-        for wid in self._incoming:
-            seen = workers[wid]
-            inputs = self._rule_inputs(seen.message)
-            if not view.is_fresh(wid) or inputs_of.get(wid) != inputs:
-                dirty.add(wid)
-            inputs_of[wid] = inputs
-            view.observe(wid, seen.message, seen.at)
-        self._incoming.clear()
-
     def _rule_inputs(self, t: WorkerTelemetry) -> tuple:
         """The telemetry fields the worker rules read (equal values: equal judgments)."""
         rules, getter = self._inputs_of
