@@ -6,10 +6,11 @@ Boundary: the view holds, for the workers whose telemetry is fresh, what `Arbitr
 computes over them: counts and integer sums (exact, any order), the local hit rates' sum as an exact
 integer (so the mean equals `statistics.fmean`'s correctly rounded `fsum`), and minima / maxima / the first
 N of a sorted set as heaps with lazy deletion (an entry is live while it matches the worker's current
-value; the heap is rebuilt once it holds more than twice the live entries). Freshness is a heap of
-observation times: `advance(now)` expires the workers that went stale since the last call, and drops
-those unseen for the core's forget delay from the core's `workers` dict. Time is expected to move forward;
-a call with an earlier `now`, or another `stale_s`, rebuilds the view from the core's `workers` (O(n)).
+value; the heap is rebuilt once it holds more than twice the live entries). Freshness is the workers in
+the order of their latest observation: `advance(now)` expires the workers that went stale since the last
+call, and drops those unseen for the core's forget delay from the core's `workers` dict. Time is expected
+to move forward; an observation earlier than another, an `advance` earlier than the last, or another
+`stale_s` rebuilds the view from the core's `workers` at the next `advance` (O(n log n)).
 
 Workers whose warm-capacity change is pending count as the arbitrator expects them to be: `overrides`
 (worker -> standby), applied at read time in O(overrides * log n) without touching the view.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 _EXACT_SHIFT = 1074  # every finite float is an integer multiple of 2**-1074
@@ -100,7 +102,6 @@ class _Lowest:
 @dataclass(slots=True)
 class _Worker:
     """One worker's contribution, from its latest telemetry (its own standby flag, no override)."""
-    seq: int  # which observation: the freshness heaps' entries of older ones are dead
     at: float
     fresh: bool
     healthy: bool
@@ -123,10 +124,11 @@ class WorkerView:
     def __init__(self) -> None:
         self.clock = -math.inf  # the latest `advance`
         self.stale_s: float | None = None
-        self._seq = 0
+        self._latest_at = -math.inf  # of any observation: one earlier than that breaks the order below
+        self._disordered = False
         self.workers: dict[str, _Worker] = {}
-        self._fresh_heap: list[tuple[float, int, str]] = []  # (at, seq, worker): expiry order
-        self._forget_heap: list[tuple[float, int, str]] = []  # the same for expired workers
+        self._fresh_order: OrderedDict[str, float] = OrderedDict()  # fresh worker -> at, oldest first
+        self._forget_order: OrderedDict[str, float] = OrderedDict()  # expired worker -> at, oldest first
         self.num_fresh = 0
         self.num_active = 0  # healthy, not standby
         self.num_standby = 0  # healthy, standby
@@ -153,13 +155,19 @@ class WorkerView:
         odd = not (_isfinite(hit) and _isfinite(p99)) or (p99 == 0.0 and _copysign(1.0, p99) < 0) or \
             (capacity < 0 and fill == 0.0)
         queue, running, healthy, standby = t.queue_depth, t.num_running, t.healthy, t.standby
-        self._seq += 1
-        heapq.heappush(self._fresh_heap, (at, self._seq, wid))
+        order = self._fresh_order
+        order[wid] = at
+        order.move_to_end(wid)
+        self._forget_order.pop(wid, None)
+        if at < self._latest_at:
+            self._disordered = True  # time went back between messages: rebuilt at the next advance
+        else:
+            self._latest_at = at
         w = self.workers.get(wid)
         if w is None or not w.fresh or w.healthy != healthy or w.standby != standby or odd or w.odd:
             if w is not None and w.fresh:
                 self._remove(wid, w)
-            w = _Worker(self._seq, at, True, healthy, standby, queue, max(1, t.max_running), running + queue,
+            w = _Worker(at, True, healthy, standby, queue, max(1, t.max_running), running + queue,
                         predicted, p99, fill, hit, _exact(hit) if _isfinite(hit) else 0,
                         t.requests_accepted, odd)
             self.workers[wid] = w
@@ -169,7 +177,7 @@ class WorkerView:
         # that changed (most, in a steady fleet, do not). A standby worker's values are kept too: an
         # override may count it as active.
         active = healthy and not standby
-        w.seq, w.at = self._seq, at
+        w.at = at
         if fill != w.fill:
             w.fill = fill
             self.fill.set(wid, -fill)
@@ -200,6 +208,8 @@ class WorkerView:
     def drop(self, wid: str) -> None:
         """Forget `wid` (draining, or forgotten by the core)."""
         w = self.workers.pop(wid, None)
+        self._fresh_order.pop(wid, None)
+        self._forget_order.pop(wid, None)
         if w is not None and w.fresh:
             self._remove(wid, w)
 
@@ -247,29 +257,32 @@ class WorkerView:
         from `seen` (the core's worker -> _Seen) those expired ones with `now - at > forget_s`. True when
         the view was rebuilt (time went back, or `stale_s` changed): the caller re-judges every worker."""
         rebuilt = False
-        if now < self.clock or stale_s != self.stale_s:
+        if now < self.clock or stale_s != self.stale_s or self._disordered:
             self._rebuild(seen)
             rebuilt = True
         self.clock, self.stale_s = now, stale_s
-        heap, forget = self._fresh_heap, self._forget_heap
-        while heap and now - heap[0][0] > stale_s:
-            entry = heapq.heappop(heap)
-            w = self.workers.get(entry[2])
-            if w is not None and w.seq == entry[1]:
-                self._remove(entry[2], w)
-                w.fresh = False
-                heapq.heappush(forget, entry)
-        while forget and now - forget[0][0] > forget_s:
-            _, seq, wid = heapq.heappop(forget)
-            w = self.workers.get(wid)
-            if w is not None and w.seq == seq:
-                del self.workers[wid]
-                del seen[wid]
+        order, forget, workers = self._fresh_order, self._forget_order, self.workers
+        while order:
+            wid, at = next(iter(order.items()))
+            if not now - at > stale_s:
+                break
+            order.popitem(last=False)
+            w = workers[wid]
+            self._remove(wid, w)
+            w.fresh = False
+            forget[wid] = at
+        while forget:
+            wid, at = next(iter(forget.items()))
+            if not now - at > forget_s:
+                break
+            forget.popitem(last=False)
+            del workers[wid]
+            del seen[wid]
         return rebuilt
 
     def _rebuild(self, seen: dict) -> None:
         self.__init__()
-        for wid, s in seen.items():
+        for wid, s in sorted(seen.items(), key=lambda item: item[1].at):
             self.observe(wid, s.message, s.at)
 
     # --- reads ---------------------------------------------------------------------------------------
