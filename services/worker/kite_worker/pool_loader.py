@@ -25,7 +25,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence as Seq
+from typing import Iterator, Sequence as Seq
 
 import torch
 
@@ -96,11 +96,36 @@ class CostModel:
     def recompute_seconds(self, num_blocks: int) -> float:
         return num_blocks * self.block_size * self.prefill_seconds_per_token
 
+    def prefix_fetch_seconds(self, letters: bytes) -> Iterator[float]:
+        """`fetch_seconds(letters[:k])` for k = 1, 2, ..., in one pass, O(len * tiers), the same floats.
+
+        Running counts per tier; each prefix's terms are summed over the same tiers in the same order as
+        `fetch_seconds` sums them: the order of a set of the prefix's letters, which is the order of the
+        set built by adding each letter when it first appears (the letters are not sorted: a set of
+        strings iterates in an order of their hashes, which PYTHONHASHSEED varies)."""
+        counts: dict[str, int] = {}
+        present: set[str] = set()
+        terms: list[tuple[str, float, int, float]] = []  # (letter, latency, bytes a block, bytes/s)
+        for code in letters:
+            letter = chr(code)
+            if letter not in counts:
+                counts[letter] = 0
+                present.add(letter)
+                terms = [(x, self.tiers[x].latency_s, self.tier_block_bytes.get(x, self.block_bytes),
+                          self.tiers[x].bytes_per_s) for x in present]
+            counts[letter] += 1
+            total = 0.0
+            for x, latency, block_bytes, rate in terms:
+                total += latency + counts[x] * block_bytes / rate
+            yield total
+
     def plan(self, letters: bytes) -> int:
-        """How many of these missing leading blocks (tier letter each) to load rather than compute."""
+        """How many of these missing leading blocks (tier letter each) to load rather than compute: the
+        longest prefix whose fetch time is below its recompute time. Linear in len(letters) (issue 38:
+        it called fetch_seconds on every prefix, quadratic), with the same floats and so the same answer."""
         best = 0
-        for k in range(1, len(letters) + 1):
-            if self.fetch_seconds(letters[:k]) < self.recompute_seconds(k):
+        for k, fetch_s in enumerate(self.prefix_fetch_seconds(letters), start=1):
+            if fetch_s < self.recompute_seconds(k):
                 best = k
         return best
 
