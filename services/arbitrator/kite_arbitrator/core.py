@@ -58,6 +58,24 @@ SIGNAL_FIELDS = {
 }
 
 
+def _service_signals(gateways: dict, pools: dict, fingerprinters: dict) -> dict[str, float]:
+    """The fleet signals of the gateways, pool replicas and fingerprinters (few, so always recomputed)."""
+    replicas = list(pools.values())  # ru-pool replicas share warm and cold; each has its own hot tier
+    routers = list(fingerprinters.values())
+    routed_rate = sum(f.request_rate for f in routers)
+    return {
+        "request_rate": sum(g.request_rate for g in gateways.values()),
+        "error_rate": max((g.error_rate for g in gateways.values()), default=0.0),
+        "pool_replicas": len(replicas),
+        "pool_hot_fill": max((p.hot_fill for p in replicas), default=0.0),
+        "pool_hit_rate": statistics.fmean([p.hit_rate for p in replicas]) if replicas else 0.0,
+        "pool_tiers_down": max((sum(1 for t in p.tiers.values() if not t.up) for p in replicas), default=0),
+        "routed_hit_rate": (sum(f.routed_hit_rate * f.request_rate for f in routers) / routed_rate
+                            if routed_rate else 0.0),
+        "fingerprinter_refused_rate": max((f.refused_rate for f in routers), default=0.0),
+    }
+
+
 @dataclass
 class _Seen:
     message: object
@@ -176,9 +194,6 @@ class ArbitratorCore:
         predicted = min((s["predicted_ttft_s"] for s in per.values()), default=0.0)
         queue = sum(w.queue_depth for w in active)
         slots = sum(max(1, w.max_running) for w in active)
-        replicas = list(pools.values())  # ru-pool replicas share warm and cold; each has its own hot tier
-        routers = list((fingerprinters or {}).values())
-        routed_rate = sum(f.request_rate for f in routers)
         return {
             "active_workers": len(active),
             "standby_workers": sum(1 for w in workers.values() if w.standby and w.healthy),
@@ -189,15 +204,7 @@ class ArbitratorCore:
             "ttft_p99_s": max((w.ttft_p99_s for w in active), default=0.0),
             "max_cache_fill": max((self.worker_signals(w)["cache_fill"] for w in workers.values()), default=0.0),
             "mean_local_hit_rate": statistics.fmean([w.local_hit_rate for w in active]) if active else 0.0,
-            "request_rate": sum(g.request_rate for g in gateways.values()),
-            "error_rate": max((g.error_rate for g in gateways.values()), default=0.0),
-            "pool_replicas": len(replicas),
-            "pool_hot_fill": max((p.hot_fill for p in replicas), default=0.0),
-            "pool_hit_rate": statistics.fmean([p.hit_rate for p in replicas]) if replicas else 0.0,
-            "pool_tiers_down": max((sum(1 for t in p.tiers.values() if not t.up) for p in replicas), default=0),
-            "routed_hit_rate": (sum(f.routed_hit_rate * f.request_rate for f in routers) / routed_rate
-                                if routed_rate else 0.0),
-            "fingerprinter_refused_rate": max((f.refused_rate for f in routers), default=0.0),
+            **_service_signals(gateways, pools, fingerprinters or {}),
         }
 
     def _winner(self, rules: list[Rule], action: str, signals: dict[str, float], target: str,
@@ -370,9 +377,6 @@ class ArbitratorCore:
             return self.fleet_signals(workers, gateways, pools, fingerprinters)
         w = self._view.signals(overrides)
         predicted = w["predicted_ttft_s"]
-        replicas = list(pools.values())
-        routers = list(fingerprinters.values())
-        routed_rate = sum(f.request_rate for f in routers)
         return {
             "active_workers": w["active_workers"],
             "standby_workers": w["standby_workers"],
@@ -383,15 +387,7 @@ class ArbitratorCore:
             "ttft_p99_s": w["ttft_p99_s"],
             "max_cache_fill": w["max_cache_fill"],
             "mean_local_hit_rate": w["mean_local_hit_rate"],
-            "request_rate": sum(g.request_rate for g in gateways.values()),
-            "error_rate": max((g.error_rate for g in gateways.values()), default=0.0),
-            "pool_replicas": len(replicas),
-            "pool_hot_fill": max((p.hot_fill for p in replicas), default=0.0),
-            "pool_hit_rate": statistics.fmean([p.hit_rate for p in replicas]) if replicas else 0.0,
-            "pool_tiers_down": max((sum(1 for t in p.tiers.values() if not t.up) for p in replicas), default=0),
-            "routed_hit_rate": (sum(f.routed_hit_rate * f.request_rate for f in routers) / routed_rate
-                                if routed_rate else 0.0),
-            "fingerprinter_refused_rate": max((f.refused_rate for f in routers), default=0.0),
+            **_service_signals(gateways, pools, fingerprinters or {}),
         }
 
     def _warm_capacity(self, fleet: dict[str, float], rules: list[Rule], now: float) -> list[Decision]:
