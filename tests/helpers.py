@@ -34,11 +34,29 @@ CHAIN_SHAPE = (2, 2, 1, BLOCK_TOKENS, 4)  # [layers, key/value, kv heads, tokens
 
 
 # --- waiting -------------------------------------------------------------------------------------------------
-def _timed_out(timeout_s: float, what: str, last: object, context: Callable[[], object] | None) -> AssertionError:
-    message = f"timed out after {timeout_s:g} s waiting for {what}; last value seen: {last!r}"
-    if context is not None:
-        message += f"\n{context()}"
-    return AssertionError(message)
+class _Wait:
+    """What wait_until and wait_until_async share: the deadline, the verdict on each probe, the message."""
+
+    def __init__(self, timeout_s: float, what: str, done: Callable[[Any], Any],
+                 context: Callable[[], object] | None) -> None:
+        self.timeout_s, self.what, self.done, self.context = timeout_s, what, done, context
+        self.deadline = time.monotonic() + timeout_s
+        self.expired = False
+
+    def start_round(self) -> None:
+        # Taken before the probe: a probe that starts in time gets its verdict, however long it takes.
+        self.expired = time.monotonic() >= self.deadline
+
+    def over(self, value: Any, failed: bool) -> bool:
+        """Whether `value` ends the wait; AssertionError when it does not and the deadline has passed."""
+        if not failed and self.done(value):
+            return True
+        if self.expired:
+            message = f"timed out after {self.timeout_s:g} s waiting for {self.what}; last value seen: {value!r}"
+            if self.context is not None:
+                message += f"\n{self.context()}"
+            raise AssertionError(message)
+        return False
 
 
 def wait_until(probe: Callable[[], T], timeout_s: float, what: str, *, done: Callable[[T], Any] = bool,
@@ -51,18 +69,15 @@ def wait_until(probe: Callable[[], T], timeout_s: float, what: str, *, done: Cal
     any other propagates. On timeout: AssertionError naming `what`, the last value (or ignored exception)
     seen and, when given, `context()` (process logs, say), so a red test says what it was waiting for.
     """
-    deadline = time.monotonic() + timeout_s
+    wait = _Wait(timeout_s, what, done, context)
     while True:
-        expired = time.monotonic() >= deadline
+        wait.start_round()
         try:
-            value: Any = probe()
+            value, failed = probe(), False
         except ignore as exc:
-            value = exc
-        else:
-            if done(value):
-                return value
-        if expired:
-            raise _timed_out(timeout_s, what, value, context)
+            value, failed = exc, True
+        if wait.over(value, failed):
+            return value
         time.sleep(interval_s)
 
 
@@ -72,20 +87,19 @@ async def wait_until_async(probe: Callable[[], T | Awaitable[T]], timeout_s: flo
                            context: Callable[[], object] | None = None) -> T:
     """`wait_until` on the running event loop: `probe` may return an awaitable (an `async def` or a lambda
     around a request), which is awaited; the loop sleeps with asyncio.sleep, so callbacks keep running."""
-    deadline = time.monotonic() + timeout_s
+    wait = _Wait(timeout_s, what, done, context)
     while True:
-        expired = time.monotonic() >= deadline
+        wait.start_round()
+        value: Any
+        failed = False
         try:
-            value: Any = probe()
+            value = probe()
             if inspect.isawaitable(value):
                 value = await value
         except ignore as exc:
-            value = exc
-        else:
-            if done(value):
-                return value
-        if expired:
-            raise _timed_out(timeout_s, what, value, context)
+            value, failed = exc, True
+        if wait.over(value, failed):
+            return value
         await asyncio.sleep(interval_s)
 
 
