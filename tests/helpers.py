@@ -2,7 +2,7 @@
 NATS, and chains of signed blocks whose hashes come from the production fingerprint code.
 
 tests/unit/test_test_helpers_once.py fails when a test module defines its own function under one of these
-names (or the names the copies had before), so a new test imports from here instead of writing a fourth
+names (or the names the copies had before), so a new test imports from here instead of writing another
 polling loop with its own message.
 """
 
@@ -116,14 +116,15 @@ def wait_workers(stack, count: int, timeout_s: float = 120) -> None:
 
 def wait_for_log(path: Path, text: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> str:
     """Until `text` is in the log file at `path` of the running `proc`; returns the log. A process that exits
-    first fails with its log."""
-    def log() -> str:
-        text_now = path.read_text(errors="replace")
-        assert text in text_now or proc.poll() is None, text_now
-        return text_now
+    first fails with its log; a timeout shows the log's end."""
+    def logged() -> bool:
+        log = path.read_text(errors="replace")
+        assert text in log or proc.poll() is None, log
+        return text in log
 
-    return wait_until(log, timeout_s, f"{text!r} in {path}", done=lambda now: text in now, interval_s=0.05,
-                      context=lambda: path.read_text(errors="replace")[-3000:])
+    wait_until(logged, timeout_s, f"{text!r} in {path}", interval_s=0.05,
+               context=lambda: path.read_text(errors="replace")[-3000:])
+    return path.read_text(errors="replace")
 
 
 # --- the ru-pool's stats over NATS ---------------------------------------------------------------------------
