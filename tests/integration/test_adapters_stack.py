@@ -17,6 +17,7 @@ import redis
 
 from kite_shared import adapters
 from kite_shared.tiers.keys import REDIS_KEY_PREFIX
+from tests.helpers import wait_until
 from tests.integration import http_chat
 from tests.integration.conftest import MODEL
 from tests.integration.http_chat import answer, cached
@@ -39,13 +40,9 @@ def chat(stack, model: str, question: str, reuse: bool = True) -> dict:
 
 def wait_for_models(stack, expected: set[str], timeout_s: float = 15.0) -> None:
     """The gateway lists adapters from the workers' heartbeats, which may come a moment after /health."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        listed = {m["id"] for m in httpx.get(stack.http_url + "/v1/models", timeout=30).json()["data"]}
-        if expected <= listed or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert expected <= listed
+    wait_until(lambda: {m["id"] for m in httpx.get(stack.http_url + "/v1/models", timeout=30).json()["data"]},
+               timeout_s, f"the gateway to list {sorted(expected)}", done=lambda listed: expected <= listed,
+               interval_s=0.2)
 
 
 def warm_tags(stack) -> dict[str, int]:
@@ -79,10 +76,8 @@ def test_base_and_adapters_on_two_workers(fresh_stack_factory, adapter_folders):
         assert cached(again) > 0 and answer(again) == references[job], job
 
     # Each model's blocks reach the pool under its own model tag, and only there.
-    deadline = time.monotonic() + 30
-    while set(warm_tags(stack)) != set(tags.values()) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert set(warm_tags(stack)) == set(tags.values())
+    wait_until(lambda: set(warm_tags(stack)), 30, f"warm blocks under exactly the tags {sorted(tags.values())}",
+               done=lambda found: found == set(tags.values()), interval_s=0.5)
 
     # Fresh workers never computed these prompts: each model's prefix comes from the pool, unchanged.
     replace_worker(stack)
@@ -113,13 +108,9 @@ def test_an_adapter_refused_at_start_leaves_the_base_serving(fresh_stack_factory
 
 def wait_until_refused(stack, model: str, timeout_s: float = 15.0) -> None:
     """An unloaded adapter: the gateway answers 404 model_not_found once the heartbeats say so."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        r = httpx.post(stack.http_url + "/v1/chat/completions", timeout=60, json={
-            "model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
-        if r.status_code == 404 or time.monotonic() > deadline:
-            break
-        time.sleep(0.3)
+    r = wait_until(lambda: httpx.post(stack.http_url + "/v1/chat/completions", timeout=60, json={
+        "model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}),
+        timeout_s, f"the gateway to refuse {model}", done=lambda r: r.status_code == 404, interval_s=0.3)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 

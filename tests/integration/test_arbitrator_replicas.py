@@ -19,6 +19,7 @@ from kite_cli.local_servers import start_nats
 from kite_shared import subjects
 from kite_shared.messages import (ArbitratorAdminReply, ArbitratorAdminRequest, ArbitratorTelemetry, Decision,
                                   WorkerTelemetry)
+from tests.helpers import wait_until_async
 
 LEASE_S = 1.5
 TAKEOVER_BOUND_S = LEASE_S + LEASE_S / 3 + 1.5  # the lease, one renewal, and telemetry/decision delivery
@@ -48,13 +49,6 @@ class Watch:
     async def on_decision(self, msg) -> None:
         self.decisions.append((time.monotonic(), Decision.decode(msg.data)))
 
-    async def until(self, condition, timeout_s: float, what: str) -> float:
-        started = time.monotonic()
-        while not condition():
-            assert time.monotonic() - started < timeout_s, f"{what} not within {timeout_s} s: {self.leaders}"
-            await asyncio.sleep(0.05)
-        return time.monotonic() - started
-
 
 def test_one_leads_a_killed_leader_is_replaced_and_a_draining_one_hands_over(tmp_path):
     server = start_nats()
@@ -63,6 +57,9 @@ def test_one_leads_a_killed_leader_is_replaced_and_a_draining_one_hands_over(tmp
     async def scenario() -> None:
         nc = await nats.connect(server.url)
         watch = Watch()
+
+        def leaders() -> str:  # shown when a wait times out
+            return f"leaders: {watch.leaders}"
         await nc.subscribe(subjects.telemetry("arbitrator"), cb=watch.on_telemetry)
         await nc.subscribe(subjects.DECISIONS, cb=watch.on_decision)
         for name in ("arb-a", "arb-b"):
@@ -76,7 +73,8 @@ def test_one_leads_a_killed_leader_is_replaced_and_a_draining_one_hands_over(tmp
 
         feeder = asyncio.create_task(worker_telemetry())
         try:
-            await watch.until(lambda: len(watch.leaders) == 2, 60, "both arbitrators' telemetry")
+            await wait_until_async(lambda: len(watch.leaders) == 2, 60, "both arbitrators' telemetry",
+                                   context=leaders)
             await asyncio.sleep(1.0)
             assert sorted(watch.leaders.values()) == [False, True], watch.leaders
             leader = next(name for name, leads in watch.leaders.items() if leads)
@@ -94,10 +92,11 @@ def test_one_leads_a_killed_leader_is_replaced_and_a_draining_one_hands_over(tmp
             processes[leader].send_signal(signal.SIGKILL)
             processes[leader].wait()
             killed_at = time.monotonic()
-            takeover_s = await watch.until(lambda: watch.leaders.get(follower), 10, "the follower leading")
+            await wait_until_async(lambda: watch.leaders.get(follower), 10, "the follower leading", context=leaders)
+            takeover_s = time.monotonic() - killed_at
             assert takeover_s <= TAKEOVER_BOUND_S, takeover_s
-            await watch.until(lambda: any(d.action == "routing" for at, d in watch.decisions if at > killed_at),
-                              5, "the new leader's routing decision")
+            await wait_until_async(lambda: any(d.action == "routing" for at, d in watch.decisions if at > killed_at),
+                                   5, "the new leader's routing decision", context=leaders)
             after = [d for at, d in watch.decisions if at > killed_at]
             routing = [d for d in after if d.action == "routing"]
             assert routing[-1].routing_mode == "round_robin"  # the override survived the takeover
@@ -107,11 +106,14 @@ def test_one_leads_a_killed_leader_is_replaced_and_a_draining_one_hands_over(tmp
             # A restarted replica follows; the leader's SIGTERM hands it the lease within one renewal.
             processes[leader] = start_arbitrator(server.url, leader, tmp_path)
             watch.leaders.pop(leader, None)
-            await watch.until(lambda: leader in watch.leaders, 60, "the restarted arbitrator's telemetry")
+            await wait_until_async(lambda: leader in watch.leaders, 60, "the restarted arbitrator's telemetry",
+                                   context=leaders)
             assert watch.leaders[leader] is False
             processes[follower].send_signal(signal.SIGTERM)
             assert processes[follower].wait(timeout=15) == 0
-            handover_s = await watch.until(lambda: watch.leaders.get(leader), 10, "the handover")
+            drained_at = time.monotonic()
+            await wait_until_async(lambda: watch.leaders.get(leader), 10, "the handover", context=leaders)
+            handover_s = time.monotonic() - drained_at
             assert handover_s <= LEASE_S / 3 + 1.5, handover_s
             print(f"handover after SIGTERM of the leader: {handover_s:.2f} s")
         finally:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from tests.helpers import wait_workers
 from tests.integration.conftest import MODEL
 
 SMALL = ("fingerprinter", "gateway")
@@ -86,20 +87,6 @@ def _process(stack, instance: str):
     return next(p for p in stack.processes if p.log_path.stem == instance)
 
 
-def _wait_workers(stack, count: int, timeout_s: float = 120) -> None:
-    """Until /health counts `count` live workers (the stack is healthy as soon as one answers)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            r = httpx.get(stack.http_url + "/health", timeout=2)
-            if r.status_code == 200 and r.json().get("workers") == count:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"{count} workers were not alive within {timeout_s} s")
-
-
 def _migrations(stack, outcome: str) -> float:
     text = httpx.get(stack.http_url + "/metrics", timeout=5).text
     for line in text.splitlines():
@@ -119,7 +106,7 @@ def _ask(url: str, max_tokens: int = 2, timeout_s: float = 60) -> httpx.Response
 
 def test_sigkill_of_the_serving_worker_mid_stream_migrates_without_losing_a_token(fresh_stack_factory):
     stack = fresh_stack_factory(num_workers=2, services=SMALL, with_redis=False, env=dict(FAST_LIVENESS))
-    _wait_workers(stack, 2)
+    wait_workers(stack, 2)
     reference = stream_chat(stack.http_url, _greedy_body())
     assert reference.error is None and reference.finish_reason == "length"
     assert reference.usage["completion_tokens"] == 64
@@ -229,7 +216,7 @@ def test_services_reconnect_after_nats_restarts_on_the_same_port(fresh_stack_fac
 
 def test_sigterm_mid_stream_drains_the_worker_and_the_gateway(fresh_stack_factory):
     stack = fresh_stack_factory(num_workers=2, services=SMALL, with_redis=False, env=dict(FAST_LIVENESS))
-    _wait_workers(stack, 2)
+    wait_workers(stack, 2)
     side: dict = {}
 
     def terminate_worker_after_three(n: int, result: StreamResult) -> None:

@@ -9,7 +9,6 @@ timeout; services themselves reconnect forever (connect_nats' default).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
@@ -24,10 +23,10 @@ import nkeys
 import pytest
 
 from kite_cli.local_servers import LocalServer, free_port, start_nats
-from kite_shared import subjects
 from kite_shared.config import CommonConfig, load
-from kite_shared.messages import PoolAdminReply, PoolAdminRequest
+from kite_shared.messages import PoolAdminReply
 from kite_shared.service import connect_nats
+from tests.helpers import pool_stats_async, wait_for_log, wait_until_async
 from tests.tls_certs import CertFiles, TestCA
 
 # Distinctive values, so a leak anywhere is found by a plain substring search.
@@ -219,17 +218,6 @@ def service_env(srv: LocalServer, pki: dict, tmp_path: Path, password: str) -> d
     return env
 
 
-def wait_for_log(path: Path, text: str, proc: subprocess.Popen, timeout_s: float = 20.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        log = path.read_text(errors="replace")
-        if text in log:
-            return log
-        assert proc.poll() is None, log
-        time.sleep(0.1)
-    raise AssertionError(f"{text!r} not in {path}:\n{path.read_text(errors='replace')[-3000:]}")
-
-
 async def test_ru_pool_process_over_tls_with_user_and_password(nats_factory, pki, tmp_path):
     srv = nats_factory(tls_block(pki["server"], pki["ca"])
                        + f'\nauthorization {{ user: kite, password: "{PASSWORD}" }}', jetstream=True)
@@ -240,7 +228,7 @@ async def test_ru_pool_process_over_tls_with_user_and_password(nats_factory, pki
         proc = subprocess.Popen([sys.executable, "-m", "kite_ru_pool"], stdout=subprocess.DEVNULL, stderr=err,
                                 env=service_env(srv, pki, tmp_path, WRONG_PASSWORD))
     try:
-        wait_for_log(wrong_log, "Authorization Violation", proc)
+        wait_for_log(wrong_log, "Authorization Violation", proc, timeout_s=20.0)
         proc.send_signal(signal.SIGTERM)  # still connecting: it stops at once (test_service_startup_signals)
         assert proc.wait(5) == 0
     finally:
@@ -258,16 +246,13 @@ async def test_ru_pool_process_over_tls_with_user_and_password(nats_factory, pki
                                 env=env)
     nc = await connect_nats(srv.url, "kite-credentials-test", load(CommonConfig, env), **FAST)
     try:
-        deadline = time.monotonic() + 30
-        while True:
+        async def stats() -> PoolAdminReply:
             assert proc.poll() is None, good_log.read_text()
-            try:
-                msg = await nc.request(subjects.POOL_ADMIN, PoolAdminRequest(op="stats").encode(), timeout=0.5)
-                break
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
-                assert time.monotonic() < deadline, good_log.read_text()[-3000:]
-                await asyncio.sleep(0.1)
-        reply = PoolAdminReply.decode(msg.data)
+            return await pool_stats_async(nc, timeout_s=0.5)
+
+        reply = await wait_until_async(stats, 30, "the ru-pool answering stats", interval_s=0.1,
+                                       ignore=(nats.errors.TimeoutError, nats.errors.NoRespondersError),
+                                       context=lambda: good_log.read_text()[-3000:])
         assert reply.ok and "hot" in reply.tiers, reply
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0, good_log.read_text()[-3000:]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 import uuid
 
 import nats
@@ -24,6 +23,7 @@ from kite_shared.recyclable_unit import RecyclableUnit
 from kite_shared.security import ru_key, tenant_tag
 from kite_shared.tiers.keys import BlockKey, object_key, redis_key
 from kite_shared.tiers.pool_client import PoolClient
+from tests.helpers import wait_until_async
 from tests.integration.test_ru_pool_process import start_pool, stop, wait_ready
 
 PROMPT = "The quick brown fox jumps over the lazy dog near the riverbank. " * 12
@@ -56,13 +56,8 @@ async def cli(capsys, argv: list[str]) -> tuple[int, dict]:
 
 
 async def wait_lookup(client: PoolClient, fp: str, hashes: list[bytes], **want: int):
-    deadline = time.monotonic() + 10
-    while True:
-        r = await client.lookup(fp, hashes)
-        if all(getattr(r, k) == v for k, v in want.items()):
-            return r
-        assert time.monotonic() < deadline, r
-        await asyncio.sleep(0.05)
+    return await wait_until_async(lambda: client.lookup(fp, hashes), 10, f"a lookup answering {want}",
+                                  done=lambda r: all(getattr(r, k) == v for k, v in want.items()))
 
 
 async def test_pin_and_evict_by_prompt_and_messages(nats_server, redis_server, tmp_path, capsys):

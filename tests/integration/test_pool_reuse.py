@@ -3,15 +3,12 @@ a real redis-server and the cold tier in a folder."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import redis
 
+from tests.helpers import pool_stats, wait_until
 from tests.integration.conftest import MODEL
 
 SYSTEM = {"role": "system", "content": "You are the ru-pool test assistant. " +
@@ -30,19 +27,10 @@ def cached(response: dict) -> int:
     return response["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def pool_stats(stack) -> dict:
-    out = subprocess.run([sys.executable, "-m", "kite_cli.main", "pool", "--nats-url", stack.nats.url, "stats"],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
-    return json.loads(out)
-
-
 def wait_for_warm_blocks(stack, minimum: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pool_stats(stack)["tiers"]["warm"]["blocks"] >= minimum:
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"the pool's warm tier never reached {minimum} blocks: {pool_stats(stack)}")
+    wait_until(lambda: pool_stats(stack.nats.url, timeout_s=30.0), timeout_s,
+               f"the pool's warm tier to reach {minimum} blocks", done=lambda s: s.tiers["warm"].blocks >= minimum,
+               interval_s=0.5)
 
 
 def replace_worker(stack) -> None:
@@ -97,8 +85,8 @@ def test_corrupted_blocks_are_detected_and_never_loaded(fresh_stack_factory):
     assert answer["choices"][0]["message"]["content"] == reference
     assert cached(answer) == 0  # every corrupted block was a miss
     # Detected where they were read: by the pool (counted in its stats) or by the worker's direct reads.
-    stats = pool_stats(stack)
-    pool_detections = sum(t["integrity_failures"] for t in stats["tiers"].values())
+    stats = pool_stats(stack.nats.url, timeout_s=30.0)
+    pool_detections = sum(t.integrity_failures for t in stats.tiers.values())
     worker_detections = sum(stack.tail(p, 1_000_000).count("failed verification") for p in stack.workers())
     assert pool_detections + worker_detections >= 10
 

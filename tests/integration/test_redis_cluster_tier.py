@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-import uuid
 
 import nats
 import pytest
@@ -16,36 +15,17 @@ from redis.exceptions import RedisClusterException
 from kite_ru_pool.service import PoolService
 from kite_shared.config import RuPoolConfig, TierConfig, load
 from kite_shared.messages import PoolAdminRequest
-from kite_shared.recyclable_unit import RecyclableUnit
 from kite_shared.security import ru_key
 from kite_shared.tiers.base import TierUnavailable
 from kite_shared.tiers.client import TierClient
 from kite_shared.tiers.keys import BlockKey, model_tag, redis_key
 from kite_shared.tiers.pool_client import PoolClient
 from kite_shared.tiers.warm import RedisTier, _ClusterCursor
+from tests.helpers import new_fp, unit_chain, wait_until_async
 
-SHAPE = (2, 2, 1, 16, 4)
 RU_KEY = hashlib.sha256(b"redis-cluster-test-ru-key").digest()
 SCAN_COUNT = 50
 N_UNITS = 300  # > 3 nodes x SCAN_COUNT: every node needs several SCAN pages
-
-
-def new_fp() -> str:
-    return hashlib.sha256(uuid.uuid4().bytes).hexdigest()
-
-
-def make_units(fp: str, n: int, key: bytes = RU_KEY) -> list[tuple[bytes, bytes]]:
-    """(block_hash, encoded unit with an HMAC under `key`) for a chain of n small fp16 blocks."""
-    out = []
-    parent = hashlib.sha256(fp.encode()).digest()
-    for i in range(n):
-        h = hashlib.sha256(parent + i.to_bytes(4, "big")).digest()
-        payload = bytes((i * 11 + j) % 251 for j in range(2 * 2 * 1 * 16 * 4 * 2))
-        unit = RecyclableUnit(block_hash=h, parent_hash=parent, model_fingerprint=fp, block_index=i,
-                              num_tokens=16, codec="fp16", shape=SHAPE, payload=payload)
-        out.append((h, unit.encode(key=key)))
-        parent = h
-    return out
 
 
 async def bounded(coros, limit: int = 16) -> list:
@@ -83,7 +63,7 @@ def node_sizes(redis_cluster) -> list[int]:
 
 async def test_units_spread_over_every_node_and_read_back_verified(ctier, redis_cluster):
     fp = new_fp()
-    units = make_units(fp, N_UNITS)
+    units = unit_chain(fp, N_UNITS, key=RU_KEY)
     assert await ctier.ping()
     await put_all(ctier, fp, units)
     sizes = node_sizes(redis_cluster)
@@ -99,7 +79,7 @@ async def test_units_spread_over_every_node_and_read_back_verified(ctier, redis_
     assert all([await ctier.exists(BlockKey.of(fp, h)) for h, _ in units[:10]])
     assert ctier.hits == N_UNITS and ctier.misses == 0 and ctier.up
     # A unit without the cluster key's MAC is a counted, deleted miss, on a cluster as anywhere.
-    h, forged = make_units(new_fp(), 1, key=b"\x01" * 32)[0]
+    h, forged = unit_chain(new_fp(), 1, key=b"\x01" * 32)[0]
     await ctier.put(BlockKey.of(fp, h), forged)
     assert await ctier.get_verified(fp, h) is None
     assert ctier.integrity_failures == 1 and not await ctier.exists(BlockKey.of(fp, h))
@@ -107,8 +87,8 @@ async def test_units_spread_over_every_node_and_read_back_verified(ctier, redis_
 
 async def test_listing_pages_through_every_node_and_returns_each_key_once(ctier, redis_cluster):
     fp, other = new_fp(), new_fp()
-    units = make_units(fp, N_UNITS)
-    others = make_units(other, 40)
+    units = unit_chain(fp, N_UNITS, key=RU_KEY)
+    others = unit_chain(other, 40, key=RU_KEY)
     await put_all(ctier, fp, units)
     await put_all(ctier, other, others)
     pages = 0
@@ -135,7 +115,7 @@ async def test_listing_refuses_to_continue_when_the_primaries_changed(ctier, red
     """A cursor remembers the primaries it started with; another set (failover, node added or removed)
     fails the listing instead of silently missing keys. Simulated: the first page's cursor is rewritten
     as if the cluster had had one more primary when the listing started."""
-    await put_all(ctier, new_fp(), make_units(new_fp(), 5))
+    await put_all(ctier, new_fp(), unit_chain(new_fp(), 5, key=RU_KEY))
     real = ctier._list_page
 
     async def topology_changed(tag, cursor):
@@ -153,7 +133,7 @@ async def test_listing_refuses_to_continue_when_the_primaries_changed(ctier, red
 
 async def test_delete_many_spans_slots_and_nodes(ctier, redis_cluster):
     fp = new_fp()
-    units = make_units(fp, N_UNITS)
+    units = unit_chain(fp, N_UNITS, key=RU_KEY)
     await put_all(ctier, fp, units)
     doomed = [BlockKey.of(fp, h) for h, _ in units[:200]]
     with redis_cluster.client() as rc:
@@ -171,7 +151,7 @@ async def test_delete_many_spans_slots_and_nodes(ctier, redis_cluster):
 
 async def test_a_batched_read_spans_the_nodes_and_refreshes_the_hits_expiry(ctier, redis_cluster):
     fp = new_fp()
-    units = make_units(fp, 12)  # several keys, so several slots and nodes: one MGET per slot
+    units = unit_chain(fp, 12, key=RU_KEY)  # several keys, so several slots and nodes: one MGET per slot
     await put_all(ctier, fp, units[:9])
     await put_all(ctier, fp, units[9:], pinned=True)
     with redis_cluster.client() as rc:
@@ -189,7 +169,7 @@ async def test_a_batched_read_spans_the_nodes_and_refreshes_the_hits_expiry(ctie
 
 async def test_ttl_is_refreshed_on_hit_and_pins_have_none(ctier, redis_cluster):
     fp = new_fp()
-    units = make_units(fp, 12)  # several keys, so several nodes
+    units = unit_chain(fp, 12, key=RU_KEY)  # several keys, so several nodes
     plain, pinned = units[:6], units[6:]
     await put_all(ctier, fp, plain)
     await put_all(ctier, fp, pinned, pinned=True)
@@ -252,7 +232,7 @@ async def test_ru_pool_rebuilds_its_index_from_the_cluster_and_clears_it(redis_c
     pool_cfg = load(RuPoolConfig, environ={}, hot_bytes=1 << 22, metrics_port=0, archive_after_s=3600.0,
                     sweep_interval_s=0.1)
     fp = new_fp()
-    units = make_units(fp, 40, key=ru_key())  # the pool verifies with this process's cluster key
+    units = unit_chain(fp, 40, key=ru_key())  # the pool verifies with this process's cluster key
     hashes = [h for h, _ in units]
     nc = await nats.connect(nats_server.url)
     client = PoolClient(nc, worker_id="w-cluster", lookup_timeout_s=2.0)
@@ -262,10 +242,10 @@ async def test_ru_pool_rebuilds_its_index_from_the_cluster_and_clears_it(redis_c
         pool = PoolService(pool_cfg, tier_cfg, await nats.connect(nats_server.url))
         pools.append(pool)
         await pool.start()
-        await wait_for(lambda: not pool.rebuilding, "index rebuild")
+        await wait_until_async(lambda: not pool.rebuilding, 10.0, "index rebuild")
         # The first command also discovers the cluster's slots; on a loaded machine that can pass the tier
         # timeout, and the pool then indexes warm at the tier's recovery (a backoff later), not at start.
-        await wait_for(lambda: pool.warm is not None and pool.warm.up, "warm tier up")
+        await wait_until_async(lambda: pool.warm is not None and pool.warm.up, 10.0, "warm tier up")
         return pool
 
     async def stop_pool(pool: PoolService) -> None:
@@ -279,7 +259,8 @@ async def test_ru_pool_rebuilds_its_index_from_the_cluster_and_clears_it(redis_c
         for _, data in units:
             assert await client.put(data)
         await nc.flush()
-        await wait_for(lambda: all(pool.core.index.tiers_of(BlockKey.of(fp, h)) for h in hashes), "puts")
+        await wait_until_async(lambda: all(pool.core.index.tiers_of(BlockKey.of(fp, h)) for h in hashes), 10.0,
+                               "puts")
         await pool.drain_background()
         assert sum(node_sizes(redis_cluster)) == 40 and all(n > 0 for n in node_sizes(redis_cluster))
         await stop_pool(pool)
@@ -313,11 +294,3 @@ async def test_tier_client_from_config_builds_a_cluster_client(redis_cluster):
         assert len(client.warm._redis.get_primaries()) == 3
     finally:
         await client.close()
-
-
-async def wait_for(predicate, what: str, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)

@@ -48,7 +48,8 @@ import pytest
 
 from kite_shared import subjects
 from kite_shared.config import ModelConfig, load
-from kite_shared.messages import ArbitratorTelemetry, PoolAdminReply, PoolAdminRequest
+from kite_shared.messages import ArbitratorTelemetry, PoolAdminReply
+from tests.helpers import pool_stats_async, wait_until, wait_workers
 from tests.integration.conftest import MODEL
 
 pytestmark = pytest.mark.timeout(420)
@@ -155,15 +156,13 @@ class Bus:
         now = time.monotonic()
         return sorted(name for name, (leads, at) in self.arbitrators.items() if leads and now - at < fresh_s)
 
-    def pool_stats(self, replica: str, timeout_s: float = 5.0) -> PoolAdminReply | None:
+    def stats_of(self, replica: str, timeout_s: float = 5.0) -> PoolAdminReply | None:
         """One replica's own view (subjects.pool_replica); None while it does not answer."""
         async def ask() -> PoolAdminReply | None:
             try:
-                msg = await self.nc.request(subjects.pool_replica(replica, "admin"),
-                                            PoolAdminRequest(op="stats").encode(), timeout=timeout_s)
+                return await pool_stats_async(self.nc, replica, timeout_s)
             except Exception:
                 return None
-            return PoolAdminReply.decode(msg.data)
         return self.run(ask(), timeout_s + 5)
 
     def close(self) -> None:
@@ -174,36 +173,15 @@ class Bus:
             self.thread.join(5)
 
 
-def until(condition, timeout_s: float, what: str, interval_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(interval_s)
-
-
-def wait_workers(stack, count: int, timeout_s: float = 120) -> None:
-    """Until /health counts `count` live workers (the stack is healthy as soon as one answers)."""
-    def alive() -> bool:
-        try:
-            r = httpx.get(stack.http_url + "/health", timeout=2)
-            return r.status_code == 200 and r.json().get("workers") == count
-        except httpx.HTTPError:
-            return False
-    until(alive, timeout_s, f"{count} live workers", 0.25)
-
-
 def warm_blocks(bus: Bus, replica: str) -> int:
-    stats = bus.pool_stats(replica)
+    stats = bus.stats_of(replica)
     return stats.tiers["warm"].blocks if stats is not None and "warm" in stats.tiers else -1
 
 
 def pool_ready(bus: Bus, replicas: list[str], count: int) -> bool:
     """Every replica answers, has rebuilt its index, serves the queue group and counts `count` replicas."""
     for replica in replicas:
-        stats = bus.pool_stats(replica, timeout_s=2.0)
+        stats = bus.stats_of(replica, timeout_s=2.0)
         if stats is None:
             return False
         c = stats.counters
@@ -230,9 +208,9 @@ def test_sigkill_of_a_pool_replica_and_the_leading_arbitrator_under_load(fresh_s
     figures: dict[str, object] = {}
     try:
         wait_workers(stack, 2)
-        until(lambda: pool_ready(bus, pools, 2), 60, "both pool replicas serving")
-        until(lambda: len(bus.arbitrators) == 2 and len(bus.arbitrator_leaders()) == 1, 60,
-              "both arbitrators' telemetry, one leading")
+        wait_until(lambda: pool_ready(bus, pools, 2), 60, "both pool replicas serving")
+        wait_until(lambda: len(bus.arbitrators) == 2 and len(bus.arbitrator_leaders()) == 1, 60,
+                   "both arbitrators' telemetry, one leading")
         figures["stack start s"] = round(time.monotonic() - test_started, 1)
         phase = time.monotonic()
 
@@ -241,8 +219,8 @@ def test_sigkill_of_a_pool_replica_and_the_leading_arbitrator_under_load(fresh_s
         assert all(a.status == 200 for a in warmup), warmup
         shared_blocks = warmup[1].cached // BLOCK_TOKENS  # the system prompt's blocks, reused by question 1
         assert shared_blocks >= 4, warmup[1]
-        until(lambda: warm_blocks(bus, pools[0]) >= warmup[0].prompt_tokens // BLOCK_TOKENS, 30,
-              "the warm-up's blocks in Redis")
+        wait_until(lambda: warm_blocks(bus, pools[0]) >= warmup[0].prompt_tokens // BLOCK_TOKENS, 30,
+                   "the warm-up's blocks in Redis")
 
         # References: greedy answers computed without reuse.
         with ThreadPoolExecutor(2) as pool:
@@ -264,16 +242,16 @@ def test_sigkill_of_a_pool_replica_and_the_leading_arbitrator_under_load(fresh_s
         figures["priming s"] = round(time.monotonic() - primed_at, 1)
         # Every primed prompt's own blocks (past the round's system prompt) in warm.
         expected = sum(a.prompt_tokens // BLOCK_TOKENS - shared_blocks for a in primes)
-        until(lambda: warm_blocks(bus, pools[0]) >= expected, 30, f"the primed blocks ({expected}) in Redis")
+        wait_until(lambda: warm_blocks(bus, pools[0]) >= expected, 30, f"the primed blocks ({expected}) in Redis")
 
         # The load: CONCURRENCY threads ask every (round, prompt) once more, in priming order; after
         # KILL_AFTER answers the leaders of both leases die by SIGKILL.
-        pool_leaders = [r for r in pools if bus.pool_stats(r).counters["leader"]]
+        pool_leaders = [r for r in pools if bus.stats_of(r).counters["leader"]]
         assert len(pool_leaders) == 1, pool_leaders
         pool_victim, pool_survivor = pool_leaders[0], next(r for r in pools if r != pool_leaders[0])
         arb_victim = bus.arbitrator_leaders()[0]
         arb_survivor = next(a for a in arbitrators if a != arb_victim)
-        lookups_before = bus.pool_stats(pool_survivor).counters["lookups"]
+        lookups_before = bus.stats_of(pool_survivor).counters["lookups"]
         answers: list[Answer] = []
         lock = threading.Lock()
         killed = threading.Event()
@@ -318,13 +296,13 @@ def test_sigkill_of_a_pool_replica_and_the_leading_arbitrator_under_load(fresh_s
         figures["after the kill"] = [(round(a.started - killed_at, 1), a.cached) for a in after]
 
         # Takeover: the other arbitrator leads within the lease bound; the other pool replica holds its lease.
-        until(lambda: arb_survivor in bus.leading_since, TAKEOVER_BOUND_S + 5, f"{arb_survivor} leading")
+        wait_until(lambda: arb_survivor in bus.leading_since, TAKEOVER_BOUND_S + 5, f"{arb_survivor} leading")
         takeover_s = bus.leading_since[arb_survivor] - kill["arbitrator at"]
         figures["arbitrator takeover s"] = round(takeover_s, 2)
         assert takeover_s <= TAKEOVER_BOUND_S, (takeover_s, TAKEOVER_BOUND_S)
         assert bus.arbitrator_leaders() == [arb_survivor], bus.arbitrators
-        until(lambda: (bus.pool_stats(pool_survivor) or PoolAdminReply(ok=False)).counters.get("leader") == 1,
-              TAKEOVER_BOUND_S + 5, f"{pool_survivor} holding the pool lease")
+        wait_until(lambda: (bus.stats_of(pool_survivor) or PoolAdminReply(ok=False)).counters.get("leader") == 1,
+                   TAKEOVER_BOUND_S + 5, f"{pool_survivor} holding the pool lease")
 
         # 0 failed requests, every answer the reference.
         failed = [a for a in answers if a.status != 200]
@@ -343,7 +321,7 @@ def test_sigkill_of_a_pool_replica_and_the_leading_arbitrator_under_load(fresh_s
         assert all(a.cached > 0 for a in late), [(a.prompt, a.salt, a.cached) for a in late if a.cached == 0]
         # Full (pool) hits are the rule again (a lookup may time out on a loaded machine, as before the kill).
         assert sum(a.full_hit for a in late) >= 0.75 * len(late), "pool hits did not resume"
-        survivor = bus.pool_stats(pool_survivor).counters
+        survivor = bus.stats_of(pool_survivor).counters
         assert survivor["lookups"] > lookups_before  # the survivor answered the lookups after the kill
 
         # A third replica joins: it takes a share of the queue group's work, nothing else restarts.
@@ -351,9 +329,9 @@ def test_sigkill_of_a_pool_replica_and_the_leading_arbitrator_under_load(fresh_s
         joined = stack.start_pool_replica().instance_id
         assert joined == "ru-pool-3"
         join_started = time.monotonic()
-        until(lambda: pool_ready(bus, [pool_survivor, joined], 2), 60, f"{joined} serving")
+        wait_until(lambda: pool_ready(bus, [pool_survivor, joined], 2), 60, f"{joined} serving")
         figures["join -> serving s"] = round(time.monotonic() - join_started, 2)
-        counts = lambda: {r: bus.pool_stats(r).counters for r in (pool_survivor, joined)}  # noqa: E731
+        counts = lambda: {r: bus.stats_of(r).counters for r in (pool_survivor, joined)}  # noqa: E731
         start_counts = counts()
         with ThreadPoolExecutor(CONCURRENCY) as pool:
             more = list(pool.map(lambda j: chat(client, j % len(QUESTIONS), salt=f"joined-{j // len(QUESTIONS)}"),

@@ -22,6 +22,7 @@ from kite_arbitrator.rules import DEFAULT_RULES_PATH
 from kite_cli.arbitrator_admin import admin
 from tests.integration.conftest import MODEL, _start
 from kite_cli.stack import StackOptions
+from tests.helpers import wait_until
 
 
 def chat(url: str, messages: list[dict], max_tokens: int = 8, timeout: float = 180, **kite) -> httpx.Response:
@@ -29,16 +30,6 @@ def chat(url: str, messages: list[dict], max_tokens: int = 8, timeout: float = 1
     if kite:
         body["kite"] = kite
     return httpx.post(url + "/v1/chat/completions", timeout=timeout, json=body)
-
-
-def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def sessions_hit_rate(url: str, seed: int, sessions: int = 3, turns: int = 3) -> float:
@@ -64,7 +55,7 @@ def sessions_hit_rate(url: str, seed: int, sessions: int = 3, turns: int = 3) ->
 def test_cache_aware_routing_beats_round_robin_on_multi_turn_chats(fresh_stack_factory):
     # Pool reads off: a worker reuses only what its own cache holds, which is what routing decides.
     stack = fresh_stack_factory(num_workers=2, env={"KITE_WORKER_POOL_READ": "off"})
-    wait_for(lambda: len(admin(stack.nats.url, "status").current) >= 4, 120, "both workers' telemetry")
+    wait_until(lambda: len(admin(stack.nats.url, "status").current) >= 4, 120, "both workers' telemetry")
     assert admin(stack.nats.url, "set_routing_mode", "round_robin").ok
     time.sleep(0.5)
     round_robin = sessions_hit_rate(stack.http_url, seed=1)
@@ -112,7 +103,7 @@ def test_rules_file_change_takes_effect_without_restart_and_a_broken_file_change
     priority: 1000
     then: {admission: shed, retry_after_s: 7}
 """)
-    r = wait_for(lambda: (lambda x: x if x.status_code == 503 else None)(chat(url, ask)), 10, "the new rule")
+    r = wait_until(lambda: (lambda x: x if x.status_code == 503 else None)(chat(url, ask)), 10, "the new rule")
     assert r.json()["error"]["code"] == "overloaded" and r.headers["Retry-After"] == "7"
     shed_version = admin(stack.nats.url, "status").rules_version
     assert shed_version != before
@@ -127,7 +118,7 @@ def test_rules_file_change_takes_effect_without_restart_and_a_broken_file_change
     assert "rules_rejected" in log and "no_such_signal" in log
 
     shutil.copy(DEFAULT_RULES_PATH, rules)
-    wait_for(lambda: chat(url, ask).status_code == 200, 10, "the default rules to reopen admission")
+    wait_until(lambda: chat(url, ask).status_code == 200, 10, "the default rules to reopen admission")
     entries = [json.loads(json.loads(line)["msg"]) for line in log.splitlines()
                if '"kite_arbitrator.decisions"' in line]
     assert any(e.get("event") == "decision" and e.get("rule") == "always-shed" and "reason" in e for e in entries)
@@ -135,7 +126,7 @@ def test_rules_file_change_takes_effect_without_restart_and_a_broken_file_change
 
 def test_overload_gives_fast_503s_not_timeouts(rules_stack):
     url = rules_stack.http_url
-    wait_for(lambda: chat(url, [{"role": "user", "content": "Ready?"}]).status_code == 200, 30, "admission open")
+    wait_until(lambda: chat(url, [{"role": "user", "content": "Ready?"}]).status_code == 200, 30, "admission open")
     with ThreadPoolExecutor(1) as background:
         flood = background.submit(_flood, url, 10, 1500)  # ~15,000 prompt tokens on one worker
         # Probe once the flood has reached the worker and its telemetry the arbitrator (published every
@@ -161,14 +152,14 @@ def test_overload_gives_fast_503s_not_timeouts(rules_stack):
     probe_rejects = [d for s, d in probes if s == 503]
     assert rejected and probe_rejects, "nothing was shed"
     assert max(probe_rejects) < 1.0  # early rejection, not a wait
-    wait_for(lambda: chat(url, [{"role": "user", "content": "Back?"}], timeout=60).status_code == 200, 90,
+    wait_until(lambda: chat(url, [{"role": "user", "content": "Back?"}], timeout=60).status_code == 200, 90,
              "admission to reopen once the backlog drained")
 
 
 def test_standby_worker_is_activated_under_load_and_takes_traffic(fresh_stack_factory):
     stack = fresh_stack_factory(num_workers=1)
     standby = stack.start_worker({"KITE_WORKER_STANDBY": "on"})
-    wait_for(lambda: "standing by" in standby.log_path.read_text(), 120, "the standby worker to load")
+    wait_until(lambda: "standing by" in standby.log_path.read_text(), 120, "the standby worker to load")
     time.sleep(1.5)  # its telemetry reached the arbitrator and the router
     for i in range(3):  # light load: the standby worker gets nothing
         r = chat(stack.http_url, [{"role": "user", "content": f"Count to {i}."}])
@@ -189,7 +180,7 @@ def test_standby_worker_is_activated_under_load_and_takes_traffic(fresh_stack_fa
 
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(client, i) for i in range(8)]
-        status = wait_for(lambda: (lambda s: s if "worker-2" in s.activation_latencies_s else None)(
+        status = wait_until(lambda: (lambda s: s if "worker-2" in s.activation_latencies_s else None)(
             admin(stack.nats.url, "status")), 90, "the activation to be measured", interval_s=0.5)
         measured.append(status)
         results = [x for f in futures for x in f.result()]

@@ -4,35 +4,21 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 
 import nats
 
 from kite_cli.local_servers import free_port
-from kite_shared.messages import Ping, PoolAdminReply, PoolAdminRequest, Pong
+from kite_shared.messages import Ping, PoolAdminReply, Pong
 from kite_shared import subjects
-from kite_shared.recyclable_unit import RecyclableUnit
-from kite_shared.security import ru_key
 from kite_shared.tiers.pool_client import PoolClient
-
-
-def chain(fp: str, n: int) -> list[tuple[bytes, bytes]]:
-    out, parent = [], hashlib.sha256(fp.encode()).digest()
-    for i in range(n):
-        h = hashlib.sha256(parent + bytes([i])).digest()
-        unit = RecyclableUnit(block_hash=h, parent_hash=parent, model_fingerprint=fp, block_index=i,
-                              num_tokens=16, codec="fp16", shape=(2, 2, 1, 16, 4), payload=bytes([i]) * 512)
-        out.append((h, unit.encode(key=ru_key())))
-        parent = h
-    return out
+from tests.helpers import new_fp, pool_stats_async, unit_chain, wait_until_async
 
 
 def start_pool(env: dict[str, str]) -> subprocess.Popen:
@@ -41,18 +27,14 @@ def start_pool(env: dict[str, str]) -> subprocess.Popen:
 
 
 async def wait_ready(nc, proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    """Until the process answers stats with its index rebuilt; a process that exits fails with its stderr."""
+    async def stats() -> PoolAdminReply:
         assert proc.poll() is None, proc.stderr.read().decode()
-        try:
-            reply = await nc.request(subjects.POOL_ADMIN, PoolAdminRequest(op="stats").encode(), timeout=0.5)
-        except Exception:
-            await asyncio.sleep(0.1)
-            continue
-        if PoolAdminReply.decode(reply.data).counters.get("rebuilding") == 0:
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError("ru-pool process did not become ready")
+        return await pool_stats_async(nc, timeout_s=0.5)
+
+    await wait_until_async(stats, timeout_s, "the ru-pool process ready (index rebuilt)", interval_s=0.1,
+                           done=lambda s: s.counters.get("rebuilding") == 0,
+                           ignore=(nats.errors.Error, asyncio.TimeoutError, OSError))
 
 
 def stop(proc: subprocess.Popen) -> str:
@@ -74,8 +56,8 @@ async def test_process_serves_restarts_with_its_index_and_exports_metrics(nats_s
                KITE_S3_ENDPOINT=s3_server.url, KITE_S3_BUCKET="kite-proc",
                KITE_S3_PREFIX=f"proc-{uuid.uuid4().hex[:6]}/", KITE_METRICS_PORT=str(metrics_port),
                KITE_POOL_SWEEP_INTERVAL_S="0.2", KITE_LOG_LEVEL="INFO")
-    fp = hashlib.sha256(uuid.uuid4().bytes).hexdigest()
-    blocks = chain(fp, 5)
+    fp = new_fp()
+    blocks = unit_chain(fp, 5)
     hashes = [h for h, _ in blocks]
     nc = await nats.connect(nats_server.url)
     client = PoolClient(nc, lookup_timeout_s=2.0)
@@ -86,10 +68,8 @@ async def test_process_serves_restarts_with_its_index_and_exports_metrics(nats_s
         assert pong.service == "ru-pool"
         for _, data in blocks:
             await client.put(data)
-        deadline = time.monotonic() + 10
-        while (r := await client.lookup(fp, hashes)).warm < 5:
-            assert time.monotonic() < deadline, r
-            await asyncio.sleep(0.05)
+        r = await wait_until_async(lambda: client.lookup(fp, hashes), 10, "the 5 blocks in warm",
+                                   done=lambda r: r.warm >= 5)
         assert r.hot == 5
         body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
         assert "kite_pool_lookup_seconds_count" in body

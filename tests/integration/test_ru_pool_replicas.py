@@ -9,7 +9,6 @@ which a timeout is a miss (None), never an exception."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import signal
 import time
 import uuid
@@ -22,32 +21,15 @@ from kite_cli.stack import LocalStack, StackOptions
 from kite_shared import subjects
 from kite_shared.messages import (PoolAdminReply, PoolAdminRequest, PoolGetReply, PoolGetRequest,
                                   PoolLookupReply, PoolLookupRequest)
-from kite_shared.recyclable_unit import RecyclableUnit
-from kite_shared.security import ru_key
 from kite_shared.tiers.cold import LocalDirTier
 from kite_shared.tiers.keys import BlockKey, redis_key, redis_pattern
 from kite_shared.tiers.pool_client import PoolClient
+from tests.helpers import new_fp, pool_stats_async, unit_chain, wait_until_async
 
 LEASE_S = 1.5
 SWEEP_S = 0.2
 TAKEOVER_BOUND_S = LEASE_S + LEASE_S / 3 + SWEEP_S + 1.5  # the lease, one renewal, one sweep, delivery
 A, B, C = "ru-pool-1", "ru-pool-2", "ru-pool-3"
-
-
-def new_fp() -> str:
-    return hashlib.sha256(uuid.uuid4().bytes).hexdigest()
-
-
-def make_chain(fp: str, n: int) -> list[tuple[bytes, bytes]]:
-    out, parent = [], hashlib.sha256(fp.encode()).digest()
-    for i in range(n):
-        h = hashlib.sha256(parent + i.to_bytes(4, "big")).digest()
-        unit = RecyclableUnit(block_hash=h, parent_hash=parent, model_fingerprint=fp, block_index=i,
-                              num_tokens=16, codec="fp16", shape=(2, 2, 1, 16, 4),
-                              payload=bytes((i * 7 + j) % 251 for j in range(512)))
-        out.append((h, unit.encode(key=ru_key())))
-        parent = h
-    return out
 
 
 @pytest.fixture
@@ -87,10 +69,6 @@ async def ask(nc, subject: str, request, reply_type, timeout_s: float = 5.0):
     return reply_type.decode((await nc.request(subject, request.encode(), timeout=timeout_s)).data)
 
 
-async def stats(nc, replica: str) -> PoolAdminReply:
-    return await ask(nc, subjects.pool_replica(replica, "admin"), PoolAdminRequest(op="stats"), PoolAdminReply)
-
-
 async def lookup(nc, replica: str, fp: str, hashes: list[bytes]) -> PoolLookupReply:
     return await ask(nc, subjects.pool_replica(replica, "lookup"),
                      PoolLookupRequest(model_fingerprint=fp, block_hashes=hashes), PoolLookupReply)
@@ -107,34 +85,22 @@ async def admin(nc, replica: str, **request) -> PoolAdminReply:
     return reply
 
 
-async def until(condition, timeout_s: float, what: str):
-    started = time.monotonic()
-    while True:
-        value = condition()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return time.monotonic() - started
-        assert time.monotonic() - started < timeout_s, f"{what}: not within {timeout_s} s"
-        await asyncio.sleep(0.05)
-
-
 async def ready(nc, replicas: list[str], timeout_s: float = 60.0) -> None:
     """Every replica answers on its own subject, has rebuilt its index and serves the queue group."""
     async def all_ready() -> bool:
         for replica in replicas:
             try:
-                c = (await stats(nc, replica)).counters
+                c = (await pool_stats_async(nc, replica)).counters
             except Exception:  # not subscribed yet: no responders
                 return False
             if c.get("rebuilding") != 0 or c.get("serving") != 1:
                 return False
         return True
-    await until(all_ready, timeout_s, f"replicas {replicas} ready")
+    await wait_until_async(all_ready, timeout_s, f"replicas {replicas} ready")
 
 
 async def lookups_answered(nc, replicas: list[str]) -> dict[str, int]:
-    return {r: (await stats(nc, r)).counters["lookups"] for r in replicas}
+    return {r: (await pool_stats_async(nc, r)).counters["lookups"] for r in replicas}
 
 
 def test_two_replicas_share_the_index_and_a_third_joins_with_it(pool_stack):
@@ -146,19 +112,19 @@ def test_two_replicas_share_the_index_and_a_third_joins_with_it(pool_stack):
         try:
             await ready(nc, [A, B])
             fp = new_fp()
-            chain = make_chain(fp, 8)
+            chain = unit_chain(fp, 8)
             hashes = [h for h, _ in chain]
             units = [d for _, d in chain]
 
             # A put through A: A holds it hot and writes it to warm; B learns it from A's index changes.
             for data in units:
                 await nc.publish(subjects.pool_replica(A, "put"), data)
-            await until(lambda: lookup(nc, B, fp, hashes), 10, "B answering the lookup")
-            await until(lambda: _pool_is(nc, B, fp, hashes, 8), 10, "B indexing A's blocks")
+            await wait_until_async(lambda: lookup(nc, B, fp, hashes), 10, "B answering the lookup")
+            await wait_until_async(lambda: _pool_is(nc, B, fp, hashes, 8), 10, "B indexing A's blocks")
             ra, rb = await lookup(nc, A, fp, hashes), await lookup(nc, B, fp, hashes)
             assert (ra.hot, ra.warm, ra.pool) == (8, 8, 8), ra
             assert (rb.hot, rb.warm, rb.pool, rb.tiers) == (0, 8, 8, b"w" * 8), rb  # hot is A's own
-            assert (await stats(nc, B)).counters["puts"] == 0  # B never saw the put itself
+            assert (await pool_stats_async(nc, B)).counters["puts"] == 0  # B never saw the put itself
             # Gets from both: A from its hot tier, B from warm (and promoted into B's hot tier).
             ga, gb = await get(nc, A, fp, hashes), await get(nc, B, fp, hashes)
             assert ga.units == units and ga.tiers == b"h" * 8
@@ -177,11 +143,11 @@ def test_two_replicas_share_the_index_and_a_third_joins_with_it(pool_stack):
 
             # Worker block events reach both (no queue group).
             await client.block_stored(fp, hashes[:5])
-            await until(lambda: _workers_are(nc, [A, B], fp, hashes, {"w1": 5}), 5, "worker events on both")
+            await wait_until_async(lambda: _workers_are(nc, [A, B], fp, hashes, {"w1": 5}), 5, "worker events on both")
 
             # Evict through B: A forgets the blocks too, its hot copies included; storage is cleaned.
             await admin(nc, B, op="evict", model_fingerprint=fp, block_hashes=hashes[6:])
-            await until(lambda: _pool_is(nc, A, fp, hashes, 6), 5, "A seeing B's evict")
+            await wait_until_async(lambda: _pool_is(nc, A, fp, hashes, 6), 5, "A seeing B's evict")
             assert (await lookup(nc, A, fp, hashes)).hot == 6
             assert len(pool_stack.redis.keys(redis_pattern(fp[:16]))) == 6
             assert (await get(nc, A, fp, hashes)).units == units[:6]
@@ -194,11 +160,13 @@ def test_two_replicas_share_the_index_and_a_third_joins_with_it(pool_stack):
             # A third replica joins: it rebuilds the block index from the tiers, takes the worker caches
             # from a running replica, and answers right from its first request.
             other = new_fp()
-            other_chain = make_chain(other, 4)
+            other_chain = unit_chain(other, 4)
             for _, data in other_chain:
                 await client.put(data)
-            await until(lambda: _pool_is(nc, A, other, [h for h, _ in other_chain], 4), 10, "the second chain")
-            await until(lambda: _pool_is(nc, B, other, [h for h, _ in other_chain], 4), 10, "the second chain")
+            await wait_until_async(lambda: _pool_is(nc, A, other, [h for h, _ in other_chain], 4), 10,
+                                   "the second chain")
+            await wait_until_async(lambda: _pool_is(nc, B, other, [h for h, _ in other_chain], 4), 10,
+                                   "the second chain")
             stack.start_pool_replica()
             await ready(nc, [C])
             rc = await lookup(nc, C, fp, hashes)
@@ -216,14 +184,14 @@ def test_two_replicas_share_the_index_and_a_third_joins_with_it(pool_stack):
             print(f"lookups answered per replica, 3 replicas: {shares}")
 
             # Each knows the others from their heartbeats; a clear through A empties every view.
-            await until(lambda: _replicas_are(nc, [A, B, C], 3), 5, "every replica counting 3")
+            await wait_until_async(lambda: _replicas_are(nc, [A, B, C], 3), 5, "every replica counting 3")
             await admin(nc, A, op="clear", model_fingerprint=fp)
             for r in (B, C):
-                await until(lambda r=r: _pool_is(nc, r, fp, hashes, 0), 5, f"{r} seeing A's clear")
+                await wait_until_async(lambda r=r: _pool_is(nc, r, fp, hashes, 0), 5, f"{r} seeing A's clear")
             assert (await lookup(nc, B, fp, hashes)).hot == 0
             assert not pool_stack.redis.keys(redis_pattern(fp[:16]))
             for r in (A, B, C):
-                await until(lambda r=r: _no_pending_purges(nc, r), 5, f"{r}'s purge settled")
+                await wait_until_async(lambda r=r: _no_pending_purges(nc, r), 5, f"{r}'s purge settled")
         finally:
             await nc.close()
 
@@ -232,7 +200,7 @@ def test_two_replicas_share_the_index_and_a_third_joins_with_it(pool_stack):
 
 def test_sigkill_of_the_leader_during_lookups_and_gets_loses_no_request_and_no_block(pool_stack):
     fp_cold = new_fp()
-    cold_chain = make_chain(fp_cold, 6)
+    cold_chain = unit_chain(fp_cold, 6)
     stack = pool_stack(2, cold_seed=[(fp_cold, cold_chain)])
 
     async def scenario() -> None:
@@ -241,21 +209,21 @@ def test_sigkill_of_the_leader_during_lookups_and_gets_loses_no_request_and_no_b
         try:
             await ready(nc, [A, B])
             fp = new_fp()
-            chain = make_chain(fp, 16)
+            chain = unit_chain(fp, 16)
             hashes = [h for h, _ in chain]
             units = [d for _, d in chain]
             cold_hashes = [h for h, _ in cold_chain]
             for data in units:
                 await client.put(data)
             for r in (A, B):
-                await until(lambda r=r: _warm_is(nc, r, fp, hashes, 16), 10, f"{r} indexing the warm chain")
+                await wait_until_async(lambda r=r: _warm_is(nc, r, fp, hashes, 16), 10, f"{r} indexing the warm chain")
                 assert (await lookup(nc, r, fp_cold, cold_hashes)).cold == 6
 
             # Exactly one replica sweeps: the lease holder.
             await asyncio.sleep(1.0)
-            first = {r: (await stats(nc, r)).counters for r in (A, B)}
+            first = {r: (await pool_stats_async(nc, r)).counters for r in (A, B)}
             await asyncio.sleep(1.0)
-            second = {r: (await stats(nc, r)).counters for r in (A, B)}
+            second = {r: (await pool_stats_async(nc, r)).counters for r in (A, B)}
             leaders = [r for r in (A, B) if second[r]["leader"]]
             assert len(leaders) == 1, second
             leader = leaders[0]
@@ -293,8 +261,10 @@ def test_sigkill_of_the_leader_during_lookups_and_gets_loses_no_request_and_no_b
             await asyncio.to_thread(victim.process.wait)
             killed_at = time.monotonic()
             # Another replica takes the lease and sweeps within the lease, a renewal and a sweep.
-            base = (await stats(nc, follower)).counters["sweeps"]
-            takeover_s = await until(lambda: _sweeps_above(nc, follower, base), 10, "the follower sweeping")
+            base = (await pool_stats_async(nc, follower)).counters["sweeps"]
+            started = time.monotonic()
+            await wait_until_async(lambda: _sweeps_above(nc, follower, base), 10, "the follower sweeping")
+            takeover_s = time.monotonic() - started
             await asyncio.sleep(1.0)
             stop.set()
             await streaming
@@ -316,7 +286,7 @@ def test_sigkill_of_the_leader_during_lookups_and_gets_loses_no_request_and_no_b
             r = await lookup(nc, follower, fp_cold, cold_hashes)
             assert r.pool == 6 and r.cold == 6, r
             assert (await get(nc, follower, fp_cold, cold_hashes)).units == [d for _, d in cold_chain]
-            assert (await stats(nc, follower)).counters["leader"] == 1
+            assert (await pool_stats_async(nc, follower)).counters["leader"] == 1
         finally:
             await nc.close()
 
@@ -336,12 +306,12 @@ async def _workers_are(nc, replicas: list[str], fp: str, hashes: list[bytes], wo
 
 
 async def _replicas_are(nc, replicas: list[str], n: int) -> bool:
-    return all([(await stats(nc, r)).counters["replicas"] == n for r in replicas])
+    return all([(await pool_stats_async(nc, r)).counters["replicas"] == n for r in replicas])
 
 
 async def _no_pending_purges(nc, replica: str) -> bool:
-    return (await stats(nc, replica)).counters["pending_purges"] == 0
+    return (await pool_stats_async(nc, replica)).counters["pending_purges"] == 0
 
 
 async def _sweeps_above(nc, replica: str, base: int) -> bool:
-    return (await stats(nc, replica)).counters["sweeps"] > base
+    return (await pool_stats_async(nc, replica)).counters["sweeps"] > base

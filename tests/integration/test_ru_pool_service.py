@@ -24,49 +24,18 @@ from kite_ru_pool.service import PoolService
 from kite_shared import subjects
 from kite_shared.config import RuPoolConfig, TierConfig, load
 from kite_shared.messages import PoolAdminReply, PoolAdminRequest, PoolGetReply, PoolGetRequest, PoolLookupReply
-from kite_shared.recyclable_unit import RecyclableUnit, decode
-from kite_shared.security import ANONYMOUS_TENANT, ru_key, tenant_tag
+from kite_shared.recyclable_unit import decode
+from kite_shared.security import ru_key, tenant_tag
 from kite_shared.tiers import handoff, metrics
 from kite_shared.tiers.keys import BlockKey, object_key, redis_key, redis_pattern
 from kite_shared.tiers.pool_client import PoolClient
 from kite_worker.pool_loader import CostModel, PoolLoader
+from tests.helpers import new_fp, pool_stats_async, unit_chain, wait_until_async
 
 SHAPE = (2, 2, 1, 16, 4)
 
 
-def new_fp() -> str:
-    return hashlib.sha256(uuid.uuid4().bytes).hexdigest()
-
-
-def make_chain(fp: str, n: int, tenant: str = ANONYMOUS_TENANT) -> list[tuple[bytes, bytes]]:
-    """(block_hash, encoded unit) for a chain of n small fp16 blocks computed for `tenant`."""
-    out = []
-    parent = hashlib.sha256(f"{fp}/{tenant}".encode()).digest()  # like the tenant's salt in block 0
-    for i in range(n):
-        h = hashlib.sha256(parent + i.to_bytes(4, "big")).digest()
-        payload = bytes((i * 13 + j) % 251 for j in range(2 * 2 * 1 * 16 * 4 * 2))
-        unit = RecyclableUnit(block_hash=h, parent_hash=parent, model_fingerprint=fp, block_index=i,
-                              num_tokens=16, codec="fp16", shape=SHAPE, payload=payload,
-                              tenant_tag=tenant_tag(tenant))
-        out.append((h, unit.encode(key=ru_key())))
-        parent = h
-    return out
-
-
-UNIT_BYTES = len(make_chain(new_fp(), 1)[0][1])
-
-
-async def wait_for(predicate, timeout_s: float = 5.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
+UNIT_BYTES = len(unit_chain(new_fp(), 1)[0][1])
 
 
 @dataclass
@@ -119,20 +88,20 @@ class Pools:
         await pool.start()
         # A lone pool serves the queue group and leads the maintenance (sweeps, resyncs) once ready; the
         # tests below count on both. Generous bounds: a loaded 2-core CI machine.
-        await wait_for(lambda: not pool.rebuilding and pool.peers.serving, timeout_s=15.0, what="the pool serving")
-        await wait_for(lambda: pool.core.maintenance.leading(), timeout_s=15.0,
-                       what="the pool holding the maintenance lease")
+        await wait_until_async(lambda: not pool.rebuilding and pool.peers.serving, timeout_s=15.0,
+                               what="the pool serving")
+        await wait_until_async(lambda: pool.core.maintenance.leading(), timeout_s=15.0,
+                               what="the pool holding the maintenance lease")
         # Ready as a client sees it: the queue group answers a request from another connection (as the
         # process tests' wait_ready). Right after start a request was once answered "no responders".
-        await wait_for(lambda: self._answers(nc), timeout_s=15.0, what="the pool answering on its queue group")
+        await wait_until_async(lambda: self._answers(nc), timeout_s=15.0, what="the pool answering on its queue group")
         return pool
 
     async def _answers(self, pool_nc: nats.NATS) -> bool:
         await pool_nc.flush()
         probe = await nats.connect(self.env.nats_url)
         try:
-            reply = await probe.request(subjects.POOL_ADMIN, PoolAdminRequest(op="stats").encode(), timeout=2)
-            return PoolAdminReply.decode(reply.data).ok
+            return (await pool_stats_async(probe, timeout_s=2)).ok
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
             return False
         finally:
@@ -170,7 +139,8 @@ async def put_chain(client: PoolClient, pool: PoolService, chain, warm: bool = T
         assert await client.put(data)
     await client.nc.flush()
     fp = decode(chain[0][1], key=ru_key()).model_fingerprint
-    await wait_for(lambda: all(pool.core.index.tiers_of(BlockKey.of(fp, h)) for h, _ in chain), what="puts")
+    await wait_until_async(lambda: all(pool.core.index.tiers_of(BlockKey.of(fp, h)) for h, _ in chain),
+                           timeout_s=5.0, what="puts")
     if warm:
         await pool.drain_background()
 
@@ -178,11 +148,11 @@ async def put_chain(client: PoolClient, pool: PoolService, chain, warm: bool = T
 async def test_put_lookup_get_and_dedupe(pools, client):
     pool = await pools.start()
     fp = new_fp()
-    chain = make_chain(fp, 6)
+    chain = unit_chain(fp, 6)
     await put_chain(client, pool, chain[:4])
     await client.put(chain[0][1])  # identical block again: stored once
     await client.nc.flush()
-    await wait_for(lambda: pool.core.counters.duplicates == 1, what="duplicate")
+    await wait_until_async(lambda: pool.core.counters.duplicates == 1, timeout_s=5.0, what="duplicate")
     hashes = [h for h, _ in chain]
     r = await client.lookup(fp, hashes)
     assert (r.hot, r.warm, r.cold, r.pool) == (4, 4, 0, 4)
@@ -198,7 +168,7 @@ async def test_put_lookup_get_and_dedupe(pools, client):
 async def test_get_reply_is_split_to_fit_the_byte_budget(pools, client):
     pool = await pools.start()
     fp = new_fp()
-    chain = make_chain(fp, 5)
+    chain = unit_chain(fp, 5)
     await put_chain(client, pool, chain)
     units = await client.get(fp, [h for h, _ in chain], max_bytes=2 * UNIT_BYTES + 10)
     assert units == [d for _, d in chain]  # three requests: 2 + 2 + 1
@@ -208,7 +178,7 @@ async def test_same_host_get_lends_the_hot_files_and_writes_nothing(pools, clien
     pool = await pools.start()
     assert pool.handoff is not None  # the default folder, /dev/shm/kite-pool, on this host
     fp = new_fp()
-    chain = make_chain(fp, 5)
+    chain = unit_chain(fp, 5)
     await put_chain(client, pool, chain)
     hot_files = sorted(p.name for p in pool.handoff.path.iterdir())
     assert len(hot_files) == 5 and all(name.endswith(".hot") for name in hot_files)
@@ -235,7 +205,7 @@ async def test_same_host_get_lends_the_hot_files_and_writes_nothing(pools, clien
 async def test_units_not_held_hot_are_handed_off_in_reply_files_the_reader_removes(pools, client):
     pool = await pools.start(hot_bytes=0)  # nothing stays hot: every get reads warm
     fp = new_fp()
-    chain = make_chain(fp, 4)
+    chain = unit_chain(fp, 4)
     await put_chain(client, pool, chain)
     assert await client.get(fp, [h for h, _ in chain]) == [d for _, d in chain]
     assert pool.handoff.num_files_written == 4
@@ -260,7 +230,7 @@ def flip_last_byte(path: str) -> None:
 async def test_a_damaged_hot_file_is_a_miss_from_that_block_on(pools, client):
     pool = await pools.start()
     fp = new_fp()
-    chain = make_chain(fp, 4)
+    chain = unit_chain(fp, 4)
     await put_chain(client, pool, chain)
     hashes = [h for h, _ in chain]
     flip_last_byte(pool.core.io.hot_files.lent_path(pool.core.io.hot.peek(BlockKey.of(fp, hashes[2]))))
@@ -275,7 +245,7 @@ async def test_a_damaged_hot_file_is_a_miss_from_that_block_on(pools, client):
 async def test_blocks_fetched_again_come_from_kept_mappings_and_are_still_verified(pools, client):
     pool = await pools.start()
     fp = new_fp()
-    chain = make_chain(fp, 4)
+    chain = unit_chain(fp, 4)
     await put_chain(client, pool, chain)
     hashes = [h for h, _ in chain]
     first = await client.get(fp, hashes)
@@ -300,7 +270,7 @@ async def test_blocks_fetched_again_come_from_kept_mappings_and_are_still_verifi
 async def test_a_torn_reply_file_is_a_miss_from_that_block_on(pools, client):
     pool = await pools.start(hot_bytes=0)  # nothing hot: units travel in reply files
     fp = new_fp()
-    chain = make_chain(fp, 4)
+    chain = unit_chain(fp, 4)
     await put_chain(client, pool, chain)
     write_all = pool.handoff.write_all
 
@@ -320,7 +290,7 @@ async def test_a_reader_on_another_host_takes_the_units_from_the_block_stream(po
     pool = await pools.start()
     assert pool.stream is not None and pool.stream.address  # on by default (KITE_POOL_DATA_LISTEN)
     fp = new_fp()
-    chain = make_chain(fp, 5)
+    chain = unit_chain(fp, 5)
     await put_chain(client, pool, chain)
     nc = await nats.connect(env.nats_url)
     try:
@@ -341,7 +311,7 @@ async def test_a_damaged_block_stream_transfer_is_a_miss_from_that_block_on(pool
     and those after it are computed."""
     pool = await pools.start()
     fp = new_fp()
-    chain = make_chain(fp, 4)
+    chain = unit_chain(fp, 4)
     await put_chain(client, pool, chain)
     offer = pool.stream.offer
 
@@ -367,7 +337,7 @@ async def test_a_damaged_block_stream_transfer_is_a_miss_from_that_block_on(pool
 async def test_an_unreachable_block_stream_means_inline_replies_for_a_while(pools, client, env):
     pool = await pools.start()
     fp = new_fp()
-    chain = make_chain(fp, 3)
+    chain = unit_chain(fp, 3)
     await put_chain(client, pool, chain)
     probe = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)  # a port nobody listens on
     closed_port = probe.sockets[0].getsockname()[1]
@@ -387,7 +357,7 @@ async def test_an_unreachable_block_stream_means_inline_replies_for_a_while(pool
 async def test_a_reader_that_cannot_see_the_handoff_folder_falls_back_to_inline_replies(pools, client):
     pool = await pools.start()
     fp = new_fp()
-    chain = make_chain(fp, 3)
+    chain = unit_chain(fp, 3)
     await put_chain(client, pool, chain)
     # As if the reader were in a container without the pool's folder: the paths it is lent lead nowhere.
     pool.core.io.hot_files.lent_path = lambda data: "/nonexistent-kite-pool/0.hot"
@@ -398,7 +368,7 @@ async def test_a_reader_that_cannot_see_the_handoff_folder_falls_back_to_inline_
 async def test_reply_files_nobody_read_are_swept(pools, client, env):
     pool = await pools.start(hot_bytes=0)
     fp = new_fp()
-    chain = make_chain(fp, 3)
+    chain = unit_chain(fp, 3)
     await put_chain(client, pool, chain)
     nc = await nats.connect(env.nats_url)
     try:  # a reader killed between the reply and its read: asked, never read
@@ -417,7 +387,7 @@ async def test_hot_eviction_demotes_to_cold_when_warm_is_off_and_hits_promote(po
     pool = await pools.start(hot_bytes=3 * UNIT_BYTES, tier_cfg=env.tier_cfg(redis_url=""))
     assert pool.warm is None  # warm off: evictions demote to cold
     fp = new_fp()
-    chain = make_chain(fp, 5)
+    chain = unit_chain(fp, 5)
     await put_chain(client, pool, chain)
     await pool.drain_background()
     hashes = [h for h, _ in chain]
@@ -433,7 +403,7 @@ async def test_hot_eviction_demotes_to_cold_when_warm_is_off_and_hits_promote(po
 async def test_promotion_from_warm_on_hit(pools, client, env):
     pool = await pools.start(hot_bytes=0)  # nothing stays hot: every get is a warm read
     fp = new_fp()
-    chain = make_chain(fp, 3)
+    chain = unit_chain(fp, 3)
     await put_chain(client, pool, chain)
     r = await client.lookup(fp, [h for h, _ in chain])
     assert (r.hot, r.warm) == (0, 3)
@@ -444,13 +414,14 @@ async def test_promotion_from_warm_on_hit(pools, client, env):
 async def test_index_survives_a_pool_restart(pools, client, env):
     pool = await pools.start()
     fp = new_fp()
-    chain = make_chain(fp, 4)
+    chain = unit_chain(fp, 4)
     await put_chain(client, pool, chain)
     await pools.stop(pool)
     pool = await pools.start()  # fresh core: Redis stays up
     hashes = [h for h, _ in chain]
     # Indexed at start, or, if Redis did not answer in time then, as soon as the warm tier is back.
-    await wait_for(lambda: pool.warm.up and pool.core.index.num_blocks() == 4, timeout_s=15.0, what="warm indexed")
+    await wait_until_async(lambda: pool.warm.up and pool.core.index.num_blocks() == 4, timeout_s=15.0,
+                           what="warm indexed")
     r = await client.lookup(fp, hashes)
     assert (r.hot, r.warm, r.pool) == (0, 4, 4)
     assert await client.get(fp, hashes) == [d for _, d in chain]
@@ -459,7 +430,7 @@ async def test_index_survives_a_pool_restart(pools, client, env):
 async def test_flipped_bytes_in_redis_are_detected_counted_deleted_and_missed(pools, client, env):
     pool = await pools.start(hot_bytes=0)
     fp = new_fp()
-    chain = make_chain(fp, 10)
+    chain = unit_chain(fp, 10)
     await put_chain(client, pool, chain)
     r = env.redis()
     for h, data in chain:
@@ -478,10 +449,10 @@ async def test_flipped_bytes_in_redis_are_detected_counted_deleted_and_missed(po
 async def test_flipped_bytes_in_s3_are_detected_counted_deleted_and_missed(pools, client, env):
     pool = await pools.start(hot_bytes=0, archive_after_s=0.2)  # archive to S3 quickly
     fp = new_fp()
-    chain = make_chain(fp, 10)
+    chain = unit_chain(fp, 10)
     await put_chain(client, pool, chain)
     hashes = [h for h, _ in chain]
-    await wait_for(lambda: pool.core.counters.archived == 10, what="archival to cold")
+    await wait_until_async(lambda: pool.core.counters.archived == 10, timeout_s=5.0, what="archival to cold")
     r = await client.lookup(fp, hashes)
     assert (r.warm, r.cold) == (0, 10)
     s3 = boto3.client("s3", endpoint_url=env.s3_url, region_name="us-east-1")
@@ -498,10 +469,10 @@ async def test_flipped_bytes_in_s3_are_detected_counted_deleted_and_missed(pools
 async def test_archival_then_promotion_from_cold(pools, client, env):
     pool = await pools.start(hot_bytes=0, archive_after_s=0.3)
     fp = new_fp()
-    chain = make_chain(fp, 3)
+    chain = unit_chain(fp, 3)
     await put_chain(client, pool, chain)
     hashes = [h for h, _ in chain]
-    await wait_for(lambda: pool.core.counters.archived == 3, what="archival")
+    await wait_until_async(lambda: pool.core.counters.archived == 3, timeout_s=5.0, what="archival")
     assert not any(env.redis().exists(redis_key(BlockKey.of(fp, h))) for h in hashes)
     units = await client.get(fp, hashes)
     assert units == [d for _, d in chain]
@@ -513,26 +484,27 @@ async def test_archival_then_promotion_from_cold(pools, client, env):
 async def test_pinned_prefix_is_not_archived_and_has_no_ttl(pools, client, env):
     pool = await pools.start(hot_bytes=0, archive_after_s=0.3)
     fp = new_fp()
-    chain = make_chain(fp, 4)
+    chain = unit_chain(fp, 4)
     hashes = [h for h, _ in chain]
     pin = await client.admin(PoolAdminRequest(op="pin", model_fingerprint=fp, block_hashes=hashes[:2]))
     assert pin.ok and pin.affected == 0  # pins may precede the blocks
     await put_chain(client, pool, chain)
-    await wait_for(lambda: pool.core.counters.archived == 2, what="archival of the unpinned blocks")
+    await wait_until_async(lambda: pool.core.counters.archived == 2, timeout_s=5.0,
+                           what="archival of the unpinned blocks")
     await asyncio.sleep(0.5)
     r = env.redis()
     assert [r.pttl(redis_key(BlockKey.of(fp, h))) for h in hashes[:2]] == [-1, -1]
     assert not r.exists(redis_key(BlockKey.of(fp, hashes[2])))
     unpin = await client.admin(PoolAdminRequest(op="unpin", model_fingerprint=fp, block_hashes=hashes[:2]))
     assert unpin.ok and unpin.affected == 2
-    await wait_for(lambda: pool.core.counters.archived == 4, what="archival after unpin")
+    await wait_until_async(lambda: pool.core.counters.archived == 4, timeout_s=5.0, what="archival after unpin")
 
 
 async def test_cold_ttl_deletes_idle_cold_blocks(pools, client, env):
     pool = await pools.start(hot_bytes=0, archive_after_s=0.2,
                              tier_cfg=env.tier_cfg(cold_ttl_s=0.6, s3_endpoint=""))
     fp = new_fp()
-    chain = make_chain(fp, 2)
+    chain = unit_chain(fp, 2)
     # Not put_chain: it waits until every block is in a tier at once, and here a block leaves every tier
     # about 0.8 s after its put (archived at 0.2 s, expired 0.6 s later): on a loaded machine the wait
     # could miss that window (it did once in CI).
@@ -541,8 +513,8 @@ async def test_cold_ttl_deletes_idle_cold_blocks(pools, client, env):
     await client.nc.flush()
     # Generous bounds: on a loaded 2-core machine the two steps took 2.7-4.2 s together, and once more than
     # the 5 s default (the sweeps run every 0.1 s, but the loop is shared with the test's own work).
-    await wait_for(lambda: pool.core.counters.archived == 2, timeout_s=15.0, what="archival")
-    await wait_for(lambda: pool.core.counters.cold_expired == 2, timeout_s=15.0, what="cold TTL")
+    await wait_until_async(lambda: pool.core.counters.archived == 2, timeout_s=15.0, what="archival")
+    await wait_until_async(lambda: pool.core.counters.cold_expired == 2, timeout_s=15.0, what="cold TTL")
     assert [s async for s in pool.cold.iter_keys()] == []
 
 
@@ -553,7 +525,7 @@ async def test_redis_outage_keeps_the_pool_answering_and_warm_resumes(pools, cli
         pool = await pools.start(hot_bytes=4 * UNIT_BYTES,
                                  tier_cfg=env.tier_cfg(redis_url=f"redis://127.0.0.1:{port}/0"))
         fp = new_fp()
-        chain = make_chain(fp, 6)
+        chain = unit_chain(fp, 6)
         hashes = [h for h, _ in chain]
         await put_chain(client, pool, chain[:2])
         server.stop()
@@ -569,13 +541,13 @@ async def test_redis_outage_keeps_the_pool_answering_and_warm_resumes(pools, cli
         assert r.hot == 4
         assert await client.get(fp, hashes[:1]) == []  # warm-only block: a fast miss, not an error
         server = start_redis(port)  # back on the same port, empty
-        await wait_for(lambda: pool.warm.up, what="warm recovery")
-        await wait_for(lambda: env_warm_count(port) == 4, what="hot blocks rewritten to warm")
+        await wait_until_async(lambda: pool.warm.up, timeout_s=5.0, what="warm recovery")
+        await wait_until_async(lambda: env_warm_count(port) == 4, timeout_s=5.0, what="hot blocks rewritten to warm")
         r = await client.lookup(fp, hashes)
         assert (r.hot, r.warm) == (0, 0)  # blocks 0 and 1 were lost with the old Redis
         r = await client.lookup(fp, hashes[2:])
         assert (r.hot, r.warm) == (4, 4)
-        chain2 = make_chain(new_fp(), 1)
+        chain2 = unit_chain(new_fp(), 1)
         await put_chain(client, pool, chain2)
         assert pool.core.index.tiers_of(
             BlockKey.of(decode(chain2[0][1], key=ru_key()).model_fingerprint, chain2[0][0])) & 2
@@ -592,21 +564,21 @@ async def test_new_fingerprint_means_old_blocks_are_never_served_and_are_purged(
     old, new = new_fp(), new_fp()
     name = f"model-{uuid.uuid4().hex[:6]}"
     await client.model_fingerprint_changed(name, old)
-    chain = make_chain(old, 4)
+    chain = unit_chain(old, 4)
     await put_chain(client, pool, chain)
     hashes = [h for h, _ in chain]
-    await wait_for(lambda: pool.core.counters.archived == 4, what="some blocks in cold")
+    await wait_until_async(lambda: pool.core.counters.archived == 4, timeout_s=5.0, what="some blocks in cold")
     assert (await client.lookup(old, hashes)).pool == 4
     await client.model_fingerprint_changed(name, new)
     await client.nc.flush()
-    await wait_for(lambda: pool.core.catalog.is_invalidated(old), what="invalidation")
+    await wait_until_async(lambda: pool.core.catalog.is_invalidated(old), timeout_s=5.0, what="invalidation")
     r = await client.lookup(old, hashes)
     assert r.invalidated and r.pool == 0
     assert await client.get(old, hashes) == []
     await client.put(chain[0][1])  # a stale worker still sending old blocks
     await client.nc.flush()
-    await wait_for(lambda: pool.core.counters.refused_invalidated == 1, what="refused put")
-    await wait_for(lambda: not pool.core.index.pending_purges, what="purge")
+    await wait_until_async(lambda: pool.core.counters.refused_invalidated == 1, timeout_s=5.0, what="refused put")
+    await wait_until_async(lambda: not pool.core.index.pending_purges, timeout_s=5.0, what="purge")
     assert env_keys(env, old) == 0
     assert [s async for s in pool.cold.iter_keys(BlockKey.of(old, b"0" * 32).model_tag)] == []
 
@@ -618,7 +590,7 @@ def env_keys(env: Env, fp: str) -> int:
 async def test_worker_local_caches_show_in_lookups(pools, client):
     await pools.start()
     fp = new_fp()
-    hashes = [h for h, _ in make_chain(fp, 5)]
+    hashes = [h for h, _ in unit_chain(fp, 5)]
     await client.block_stored(fp, hashes[:3])
     await client.block_removed(fp, hashes[1:2])
     await client.nc.flush()
@@ -636,13 +608,13 @@ async def test_bad_requests_are_answered_with_error_codes_and_the_pool_goes_on(p
     refused = await client.admin(PoolAdminRequest(op="pin"))
     assert not refused.ok and refused.error.code == "bad_request" and refused.error.param == "model_fingerprint"
     fp = new_fp()
-    assert (await client.lookup(fp, [h for h, _ in make_chain(fp, 2)])).pool == 0  # still answering
+    assert (await client.lookup(fp, [h for h, _ in unit_chain(fp, 2)])).pool == 0  # still answering
 
 
 async def test_admin_cli_stats_clear_and_purge(pools, client, env, capsys):
     pool = await pools.start()
     fp = new_fp()
-    chain = make_chain(fp, 3)
+    chain = unit_chain(fp, 3)
     await put_chain(client, pool, chain)
     rc = await asyncio.to_thread(pool_admin.main, ["--nats-url", env.nats_url, "stats"])
     out = capsys.readouterr().out
@@ -687,15 +659,15 @@ async def test_tenant_quota_evicts_the_tenants_own_oldest_blocks_from_warm_and_c
     # Warm and cold both hold every block (archival runs with cold_has_it), so an eviction must reach both.
     pool = await pools.start(hot_bytes=0, tenant_quota_bytes=5 * UNIT_BYTES)
     fp = new_fp()
-    old = make_chain(fp, 4, tenant="acme")
-    other = make_chain(new_fp(), 6, tenant="beta")  # beta has no room problem: quota is per tenant
+    old = unit_chain(fp, 4, tenant="acme")
+    other = unit_chain(new_fp(), 6, tenant="beta")  # beta has no room problem: quota is per tenant
     await put_chain(client, pool, old)
     await put_chain(client, pool, other)
     for h, data in old:  # copy acme's blocks to cold too, as archival would
         assert await pool.cold.put(BlockKey.of(fp, h, tenant_tag("acme")), data)
         pool.core.index.note_stored(BlockKey.of(fp, h, tenant_tag("acme")), COLD, len(data), pool.clock())
     await asyncio.sleep(1.1)  # the next chain is more recent at the quota's one-second grain
-    new = make_chain(new_fp(), 3, tenant="acme")
+    new = unit_chain(new_fp(), 3, tenant="acme")
     for block in new:  # one at a time: with no hot tier a block counts once its warm write lands
         await put_chain(client, pool, [block])
     # new[0] fills the quota (5 units); new[1] would make 6: down to int(4.5 units) with it, so 2 blocks
@@ -719,8 +691,8 @@ async def test_tenant_quota_evicts_the_tenants_own_oldest_blocks_from_warm_and_c
 
 async def test_tenant_usage_is_rebuilt_from_key_listings_after_a_restart(pools, client, env):
     pool = await pools.start(hot_bytes=0)
-    await put_chain(client, pool, make_chain(new_fp(), 3, tenant="acme"))
-    await put_chain(client, pool, make_chain(new_fp(), 2, tenant="beta"))
+    await put_chain(client, pool, unit_chain(new_fp(), 3, tenant="acme"))
+    await put_chain(client, pool, unit_chain(new_fp(), 2, tenant="beta"))
     await pools.stop(pool)
     pool = await pools.start(hot_bytes=0)
     usage = pool.core.tenants.usage()
@@ -731,13 +703,13 @@ async def test_tenant_usage_is_rebuilt_from_key_listings_after_a_restart(pools, 
 async def test_clear_by_tenant_deletes_only_that_tenants_blocks_everywhere(pools, client, env, capsys):
     pool = await pools.start(archive_after_s=0.3)
     fp = new_fp()
-    mine = make_chain(fp, 3, tenant="acme")
-    theirs = make_chain(fp, 3, tenant="beta")  # same model, other tenant
+    mine = unit_chain(fp, 3, tenant="acme")
+    theirs = unit_chain(fp, 3, tenant="beta")  # same model, other tenant
     await put_chain(client, pool, mine)
     await put_chain(client, pool, theirs)
-    await wait_for(lambda: pool.core.counters.archived == 6, what="blocks archived to cold")
+    await wait_until_async(lambda: pool.core.counters.archived == 6, timeout_s=5.0, what="blocks archived to cold")
     # A block acme stored that the index does not know (e.g. written during a rebuild) goes too.
-    stray = make_chain(new_fp(), 1, tenant="acme")[0]
+    stray = unit_chain(new_fp(), 1, tenant="acme")[0]
     stray_key = BlockKey.of(decode(stray[1], key=ru_key()).model_fingerprint, stray[0], tenant_tag("acme"))
     env.redis().set(redis_key(stray_key), stray[1])
     rc = await asyncio.to_thread(pool_admin.main, ["--nats-url", env.nats_url, "clear", "--tenant", "acme"])
@@ -758,7 +730,7 @@ async def test_clear_by_tenant_deletes_only_that_tenants_blocks_everywhere(pools
 async def test_get_needs_the_owning_tenant_to_find_a_block_in_storage(pools, client):
     pool = await pools.start(hot_bytes=0)
     fp = new_fp()
-    chain = make_chain(fp, 2, tenant="acme")
+    chain = unit_chain(fp, 2, tenant="acme")
     await put_chain(client, pool, chain)
     hashes = [h for h, _ in chain]
     assert await client.get(fp, hashes, tenant="beta") == []  # another tenant's key: a miss

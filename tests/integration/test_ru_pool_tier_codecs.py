@@ -6,6 +6,7 @@ byte as it came."""
 from __future__ import annotations
 
 import hashlib
+from typing import Callable
 
 import boto3
 import numpy as np
@@ -15,25 +16,16 @@ from kite_shared.recyclable_unit import RecyclableUnit
 from kite_shared.security import ru_key
 from kite_shared.tiers import metrics
 from kite_shared.tiers.keys import BlockKey, object_key, redis_key
-from tests.integration.test_ru_pool_service import (client, env, new_fp, pools, put_chain,  # noqa: F401 (fixtures)
-                                                    wait_for)
+from tests.helpers import new_fp, unit_chain, wait_until_async
+from tests.integration.test_ru_pool_service import client, env, pools, put_chain  # noqa: F401 (fixtures)
 
 SHAPE = (2, 2, 1, 16, 8)  # [layers, key/value, kv heads, tokens, head dim]
 
 
-def chain_of(fp: str, n: int, warm_codec: str = "", cold_codec: str = "") -> list[tuple[bytes, bytes]]:
-    """(block_hash, encoded unit) of n fp16 blocks of KV-like values, naming the tiers' codecs."""
+def kv_like() -> Callable[[int], bytes]:
+    """Payloads for unit_chain: fp16 blocks of KV-like values (normal, seed 7), block after block."""
     rng = np.random.default_rng(7)
-    out, parent = [], hashlib.sha256(fp.encode()).digest()
-    for i in range(n):
-        h = hashlib.sha256(parent + i.to_bytes(4, "big")).digest()
-        block = rng.standard_normal(SHAPE).astype(np.float16)
-        unit = RecyclableUnit(block_hash=h, parent_hash=parent, model_fingerprint=fp, block_index=i,
-                              num_tokens=16, codec="fp16", shape=SHAPE, payload=kv_codec.encode(block, "fp16"),
-                              warm_codec=warm_codec, cold_codec=cold_codec)
-        out.append((h, unit.encode(key=ru_key())))
-        parent = h
-    return out
+    return lambda i: kv_codec.encode(rng.standard_normal(SHAPE).astype(np.float16), "fp16")
 
 
 def transcoded_as(data: bytes, original: bytes, codec: str) -> RecyclableUnit:
@@ -55,7 +47,7 @@ def transcodes(tier: str, codec: str) -> float:
 async def test_lossless_hot_and_warm_int8_cold_transcodes_on_archival_only(pools, client, env):
     pool = await pools.start(hot_bytes=1 << 20, archive_after_s=0.3)
     fp = new_fp()
-    chain = chain_of(fp, 3, cold_codec="int8")
+    chain = unit_chain(fp, 3, shape=SHAPE, payload=kv_like(), cold_codec="int8")
     before = transcodes("cold", "int8")
     await put_chain(client, pool, chain)
     hashes = [h for h, _ in chain]
@@ -63,7 +55,7 @@ async def test_lossless_hot_and_warm_int8_cold_transcodes_on_archival_only(pools
     assert await client.get(fp, hashes) == [d for _, d in chain]
     r = env.redis()
     assert [r.get(redis_key(BlockKey.of(fp, h))) for h in hashes] == [d for _, d in chain]
-    await wait_for(lambda: pool.core.counters.archived == 3, what="archival to cold")
+    await wait_until_async(lambda: pool.core.counters.archived == 3, timeout_s=5.0, what="archival to cold")
     s3 = boto3.client("s3", endpoint_url=env.s3_url, region_name="us-east-1")
     for h, data in chain:
         body = s3.get_object(Bucket="kite-pool", Key=object_key(env.s3_prefix, BlockKey.of(fp, h)))["Body"].read()
@@ -84,7 +76,7 @@ async def test_lossless_hot_and_warm_int8_cold_transcodes_on_archival_only(pools
 async def test_an_int8_warm_tier_is_written_through_in_int8_while_hot_keeps_the_exact_unit(pools, client, env):
     pool = await pools.start()
     fp = new_fp()
-    chain = chain_of(fp, 2, warm_codec="int8", cold_codec="int8")
+    chain = unit_chain(fp, 2, shape=SHAPE, payload=kv_like(), warm_codec="int8", cold_codec="int8")
     await put_chain(client, pool, chain)
     hashes = [h for h, _ in chain]
     assert await client.get(fp, hashes) == [d for _, d in chain]  # hot: as written
@@ -96,7 +88,7 @@ async def test_an_int8_warm_tier_is_written_through_in_int8_while_hot_keeps_the_
 
 async def test_hot_eviction_with_warm_off_demotes_to_cold_in_its_codec(pools, client, env):
     fp = new_fp()
-    chain = chain_of(fp, 4, cold_codec="fp8_e4m3")
+    chain = unit_chain(fp, 4, shape=SHAPE, payload=kv_like(), cold_codec="fp8_e4m3")
     pool = await pools.start(hot_bytes=2 * len(chain[0][1]), tier_cfg=env.tier_cfg(redis_url=""))
     assert pool.warm is None
     await put_chain(client, pool, chain)
@@ -112,9 +104,9 @@ async def test_hot_eviction_with_warm_off_demotes_to_cold_in_its_codec(pools, cl
 async def test_units_that_name_no_tier_codec_are_stored_byte_for_byte(pools, client, env):
     pool = await pools.start(hot_bytes=1 << 20, archive_after_s=0.3)
     fp = new_fp()
-    chain = chain_of(fp, 2)
+    chain = unit_chain(fp, 2, shape=SHAPE, payload=kv_like())
     await put_chain(client, pool, chain)
-    await wait_for(lambda: pool.core.counters.archived == 2, what="archival to cold")
+    await wait_until_async(lambda: pool.core.counters.archived == 2, timeout_s=5.0, what="archival to cold")
     s3 = boto3.client("s3", endpoint_url=env.s3_url, region_name="us-east-1")
     for h, data in chain:
         assert s3.get_object(Bucket="kite-pool", Key=object_key(env.s3_prefix, BlockKey.of(fp, h)))["Body"].read() == data
@@ -132,7 +124,7 @@ async def test_a_unit_with_no_lossy_form_is_archived_as_it_is_and_counted(pools,
                           cold_codec="int8").encode(key=ru_key())
     refusals = metrics.TIER_TRANSCODE_REFUSALS._value.get()
     await put_chain(client, pool, [(h, data)])
-    await wait_for(lambda: pool.core.counters.archived == 1, what="archival to cold")
+    await wait_until_async(lambda: pool.core.counters.archived == 1, timeout_s=5.0, what="archival to cold")
     s3 = boto3.client("s3", endpoint_url=env.s3_url, region_name="us-east-1")
     assert s3.get_object(Bucket="kite-pool", Key=object_key(env.s3_prefix, BlockKey.of(fp, h)))["Body"].read() == data
     assert (pool.core.counters.transcode_refused, pool.core.counters.transcoded) == (1, 0)

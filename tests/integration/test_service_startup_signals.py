@@ -20,6 +20,7 @@ import pytest
 from kite_cli.local_servers import free_port, start_nats
 from kite_shared.config import CommonConfig, load
 from kite_shared.service import ServiceRuntime
+from tests.helpers import wait_for_log
 
 PASSWORD = "pw-Startup-4c1d9e07"
 WRONG_PASSWORD = "pw-Wrong-8a2f6b13"
@@ -29,14 +30,6 @@ def service_env(url: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KITE_")}
     env.update(KITE_NATS_URL=url, KITE_LOG_LEVEL="INFO", **extra)
     return env
-
-
-def wait_for_log(path: Path, text: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while text not in path.read_text(errors="replace"):
-        assert proc.poll() is None, path.read_text(errors="replace")
-        assert time.monotonic() < deadline, f"{text!r} not in:\n{path.read_text(errors='replace')[-3000:]}"
-        time.sleep(0.05)
 
 
 def signal_when_started(argv: list[str], env: dict[str, str], log_path: Path, started: str, wait_s: float,

@@ -18,10 +18,10 @@ from kite_shared.security import ANONYMOUS_TENANT, ru_key, tenant_cache_salt
 from kite_shared.service import connect_nats
 from kite_shared.tiers.pool_client import PoolClient
 from kite_worker.engines.reference.pool_outbox import encode_block
+from tests.helpers import pool_stats, wait_until
 from tests.integration import http_chat
 from tests.integration.conftest import MODEL
 from tests.integration.http_chat import answer, cached
-from tests.integration.test_pool_reuse import pool_stats
 from tests.planted_blocks import wrong_numerics_blocks
 
 SYSTEM = {"role": "system", "content": "You are the verification test assistant. " +
@@ -88,9 +88,8 @@ def test_planted_divergent_blocks_are_caught_and_the_namespace_quarantined(fresh
     blocks = wrong_numerics_blocks(local, cfg, base, prompt, cache_salt=tenant_cache_salt(ANONYMOUS_TENANT))[:shared]
     assert len(blocks) >= 10
     asyncio.run(plant(stack.nats.url, [encode_block(b, ru_key()) for b in blocks]))
-    deadline = time.monotonic() + 30
-    while pool_stats(stack)["tiers"]["hot"]["blocks"] < len(blocks) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: pool_stats(stack.nats.url, timeout_s=30.0), 30, f"the {len(blocks)} planted blocks in hot",
+               done=lambda s: s.tiers["hot"].blocks >= len(blocks), interval_s=0.2)
     references = {q: answer(chat(stack, q, reuse=False)) for q in QUESTIONS[:MAX_HITS]}
 
     hits = wrong = 0
@@ -107,9 +106,9 @@ def test_planted_divergent_blocks_are_caught_and_the_namespace_quarantined(fresh
             wrong += answer(response) != references[question]
     the_quarantine(stack, base.fingerprint_hex, hits, wrong, first_hit_at, f"shadow fraction {SHADOW_FRACTION}")
     assert_no_reuse(stack, chat, references, QUESTIONS[:6])
-    audit = pool_stats(stack)["namespaces"][base.fingerprint_hex[:16]]
-    assert audit["quarantined"] and audit["divergences"] >= 1 and audit["name"] == MODEL
-    assert audit["blocks"] == 0  # purged
+    audit = pool_stats(stack.nats.url, timeout_s=30.0).namespaces[base.fingerprint_hex[:16]]
+    assert audit.quarantined and audit.divergences >= 1 and audit.name == MODEL
+    assert audit.blocks == 0  # purged
 
     # The quarantine outlives the arbitrator (kept in JetStream): a new one, started after a SIGKILL, has it.
     stack.kill("arbitrator")

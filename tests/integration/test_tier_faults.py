@@ -38,8 +38,7 @@ import torch
 
 from kite_cli.local_servers import find_binary, start_redis
 from kite_cli.stack import StackOptions
-from kite_shared import subjects
-from kite_shared.messages import PoolAdminReply, PoolAdminRequest
+from kite_shared.messages import PoolAdminReply
 from kite_shared.recyclable_unit import RecyclableUnit
 from kite_shared.security import ANONYMOUS_TENANT
 from kite_shared.tiers.client import TierClient
@@ -48,6 +47,7 @@ from kite_shared.tiers.keys import BlockKey
 from kite_shared.tiers.warm import RedisTier
 from kite_worker.pool_loader import CostModel, PoolLoader, TierEstimate
 from tests.fault_proxy import FaultProxy
+from tests.helpers import pool_stats, wait_until
 from tests.integration.conftest import MODEL, RunningStack, _start
 
 pytestmark = pytest.mark.timeout(900)  # the module's stack starts inside the first test's budget
@@ -128,32 +128,10 @@ class TierStack:
         assert prompt.blocks > CACHE_BLOCKS, "the flush prompt must be longer than the worker cache"
 
     # --- the ru-pool -----------------------------------------------------------------------------------
-    def pool_stats(self) -> PoolAdminReply:
-        async def ask() -> PoolAdminReply:
-            nc = await nats.connect(self.stack.nats.url)
-            try:
-                msg = await nc.request(subjects.POOL_ADMIN, PoolAdminRequest(op="stats").encode(), timeout=5)
-                return PoolAdminReply.decode(msg.data)
-            finally:
-                await nc.close()
-        loop = asyncio.new_event_loop()  # not set as current: pytest-asyncio's session loop stays as it is
-        try:
-            return loop.run_until_complete(ask())
-        finally:
-            loop.close()
-
     def wait_pool(self, what: str, condition, timeout_s: float = 60.0) -> PoolAdminReply:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                stats = self.pool_stats()
-            except (nats.errors.Error, OSError, asyncio.TimeoutError):
-                stats = None  # restarting, or busy
-            if stats is not None and condition(stats):
-                return stats
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the ru-pool never got to: {what}; last stats: {stats}")
-            time.sleep(0.2)
+        """The ru-pool's stats once `condition` holds; a pool restarting, or busy, is not there yet."""
+        return wait_until(lambda: pool_stats(self.stack.nats.url), timeout_s, f"the ru-pool to get to: {what}",
+                          done=condition, interval_s=0.2, ignore=(nats.errors.Error, OSError, asyncio.TimeoutError))
 
     def use_pool(self, archive_after_s: float | None) -> None:
         """Run the ru-pool with this KITE_POOL_ARCHIVE_AFTER_S (None: the default, a week), restarting

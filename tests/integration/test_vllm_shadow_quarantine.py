@@ -21,10 +21,10 @@ from kite_shared.config import ModelConfig, load
 from kite_shared.model_store import identity, prepare
 from kite_shared.security import ru_key
 from kite_shared.tiers.keys import REDIS_KEY_PREFIX, model_tag
+from tests.helpers import pool_stats
 from tests.integration import http_chat
 from tests.integration.conftest import _start
 from tests.integration.http_chat import answer, cached
-from tests.integration.test_pool_reuse import pool_stats
 from tests.integration.test_shadow_quarantine import assert_no_reuse, quarantines, the_quarantine
 from tests.integration.test_vllm_worker import BLOCK, VLLM_ENV, replace_worker, restart_pool, wait_for_pool
 
@@ -87,8 +87,8 @@ def test_divergent_blocks_loaded_by_vllm_are_caught_and_the_namespace_quarantine
             time.sleep(THINK_S)  # a user reading the answer: idle time, in which the worker checks
         the_quarantine(stack, base.fingerprint_hex, hits, wrong, first_hit_at, "vLLM, shadow fraction 1.0")
         assert_no_reuse(stack, chat, references, QUESTIONS[:4])  # vLLM's prefix cache included
-        audit = pool_stats(stack)["namespaces"][base.fingerprint_hex[:16]]
-        assert audit["quarantined"] and audit["divergences"] >= 1 and audit["blocks"] == 0
+        audit = pool_stats(stack.nats.url, timeout_s=30.0).namespaces[base.fingerprint_hex[:16]]
+        assert audit.quarantined and audit.divergences >= 1 and audit.blocks == 0
 
         # An operator clears it: blocks are computed anew (correctly) and reused again.
         assert admin(stack.nats.url, "clear_quarantine", model_fingerprint=base.fingerprint_hex).ok

@@ -9,6 +9,7 @@ stack walks through the phases in order.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -17,13 +18,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import nats
 import psutil
 import pytest
 import redis
 
 from kite_cli.stack import StackOptions
+from kite_shared.messages import PoolAdminReply
+from tests.helpers import pool_stats, wait_until
 from tests.integration.conftest import MODEL, _start
-from tests.integration.test_pool_reuse import pool_stats, wait_for_warm_blocks
+from tests.integration.test_pool_reuse import wait_for_warm_blocks
 
 BLOCK = 32  # KITE_BLOCK_SIZE for vLLM (one vLLM-CPU block)
 SYSTEM = {"role": "system", "content": "You are the vLLM connector test assistant. " +
@@ -80,22 +84,19 @@ def cached(r: httpx.Response) -> int:
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def wait_for_pool(stack, condition, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    stats: dict | str = "no answer"
+def wait_for_pool(stack, condition, what: str, timeout_s: float = 60.0) -> PoolAdminReply:
     pools = [p for p in stack.processes if p.name == "ru-pool"]
-    while time.monotonic() < deadline:
-        try:
-            stats = pool_stats(stack)
-        except subprocess.CalledProcessError as exc:  # a pool starting up answers nothing yet
-            stats = exc.stderr
-            if pools and all(p.process.poll() is not None for p in pools):
-                break  # none will ever answer
-        else:
-            if condition(stats):
-                return
-        time.sleep(0.5)
-    raise AssertionError(f"the pool never showed {what}: {stats}\n" + "\n".join(describe(stack, p) for p in pools))
+
+    def stats() -> PoolAdminReply:
+        if pools and all(p.process.poll() is not None for p in pools):
+            raise AssertionError(f"waiting for the pool to show {what}, every ru-pool exited:\n"
+                                 + "\n".join(describe(stack, p) for p in pools))
+        return pool_stats(stack.nats.url, timeout_s=30.0)
+
+    # A pool starting up answers nothing yet.
+    return wait_until(stats, timeout_s, f"the pool to show {what}", done=condition, interval_s=0.5,
+                      ignore=(nats.errors.Error, OSError, asyncio.TimeoutError),
+                      context=lambda: "\n".join(describe(stack, p) for p in pools))
 
 
 def describe(stack, proc) -> str:
@@ -138,7 +139,7 @@ def restart_pool(stack) -> None:
     stack.stop_process(pool)
     stack.processes.remove(pool)
     stack.start_service("ru-pool")
-    wait_for_pool(stack, lambda stats: stats["counters"]["rebuilding"] == 0, "its index rebuilt")
+    wait_for_pool(stack, lambda stats: stats.counters["rebuilding"] == 0, "its index rebuilt")
 
 
 def replace_worker(stack) -> str:
@@ -171,7 +172,7 @@ def test_reuse_on_vllm_equals_recompute_across_workers_tiers_and_restarts(vllm_s
     # The connector saved the prompt's blocks to the pool (memory and Redis), and vLLM's own cache events
     # told the pool's index that this worker holds them (what cache-aware routing reads).
     wait_for_warm_blocks(stack, minimum=system_blocks)
-    wait_for_pool(stack, lambda stats: stats["counters"]["worker_blocks"] >= system_blocks, "worker blocks")
+    wait_for_pool(stack, lambda stats: stats.counters["worker_blocks"] >= system_blocks, "worker blocks")
 
     # 2. A worker that never computed the prompt loads it from the pool (hot tier).
     new_worker = replace_worker(stack)
@@ -194,8 +195,8 @@ def test_reuse_on_vllm_equals_recompute_across_workers_tiers_and_restarts(vllm_s
     quick_archival = {"KITE_POOL_ARCHIVE_AFTER_S": "1", "KITE_POOL_SWEEP_INTERVAL_S": "0.5"}
     stack.options.env.update(quick_archival)
     restart_pool(stack)
-    wait_for_pool(stack, lambda stats: stats["tiers"]["warm"]["blocks"] == 0
-                  and stats["tiers"]["cold"]["blocks"] >= system_blocks, "archival to the cold tier")
+    wait_for_pool(stack, lambda stats: stats.tiers["warm"].blocks == 0
+                  and stats.tiers["cold"].blocks >= system_blocks, "archival to the cold tier")
     replace_worker(stack)
     question = "Which rule is in the cold tier?"
     from_cold = chat(stack, question)
@@ -211,7 +212,7 @@ def test_corrupted_units_are_misses_on_vllm(vllm_stack):
     question = "Is a corrupted block ever served by vLLM?"
     reference = answer(chat(stack, question, reuse=False))
     chat(stack, question)  # saves the prompt's blocks (the earlier test may have left some in cold only)
-    wait_for_pool(stack, lambda stats: stats["tiers"]["warm"]["blocks"] + stats["tiers"]["cold"]["blocks"] >= 10,
+    wait_for_pool(stack, lambda stats: stats.tiers["warm"].blocks + stats.tiers["cold"].blocks >= 10,
                   "the prompt's blocks stored")
     client = redis.Redis.from_url(stack.redis.url)
     keys = list(client.scan_iter("kite:ru:*"))

@@ -23,7 +23,7 @@ def params(**kw) -> RequestParams:
     return RequestParams(**base)
 
 
-def chain(tokens: list[int]) -> list[BlockHash]:
+def hashes_of(tokens: list[int]) -> list[BlockHash]:
     return block_hash_chain(tokens, B, ROOT, SALT)
 
 
@@ -38,19 +38,19 @@ def test_wanted_starts_after_the_local_hit_and_never_covers_the_last_prompt_toke
     planner = KVPlanner(B, ROOT)
     planner.track("r", params(), PROMPT)
     # (18 - 1) // 4 = 4 reusable blocks; vLLM's own cache already has the first one
-    assert planner.wanted("r", num_local_tokens=4) == chain(PROMPT)[1:4]
+    assert planner.wanted("r", num_local_tokens=4) == hashes_of(PROMPT)[1:4]
     planner.track("q", params(load=False), PROMPT)
     assert planner.wanted("q", 0) == []
     short = list(range(8))  # exactly 2 blocks: only the first may be reused, the last token is computed
     planner.track("s", params(), short)
-    assert planner.wanted("s", 0) == chain(short)[:1]
+    assert planner.wanted("s", 0) == hashes_of(short)[:1]
 
 
 def test_wanted_stops_where_the_pool_held_blocks_at_admission():
     planner = KVPlanner(B, ROOT)
     planner.track("r", params(pool_blocks=3), PROMPT)
-    assert planner.wanted("r", num_local_tokens=0) == chain(PROMPT)[:3]
-    assert planner.wanted("r", num_local_tokens=4) == chain(PROMPT)[1:3]
+    assert planner.wanted("r", num_local_tokens=0) == hashes_of(PROMPT)[:3]
+    assert planner.wanted("r", num_local_tokens=4) == hashes_of(PROMPT)[1:3]
     # vLLM holds as much as the pool: nothing to ask the pool for (the common shared-prefix miss)
     planner.track("q", params(pool_blocks=1), PROMPT)
     assert planner.wanted("q", num_local_tokens=4) == []
@@ -64,7 +64,7 @@ def test_a_load_is_copied_into_the_allocated_blocks_and_those_blocks_are_never_s
     planner.set_loadable("r", first_block=1, num_blocks=3)
     assert planner.num_matched_tokens("r", num_local_tokens=4) == 12
     planner.allocated("r", num_external_tokens=12)
-    hashes = chain(PROMPT)
+    hashes = hashes_of(PROMPT)
     step = planner.plan_step("r", [70, 71, 72, 73, 74], True, num_computed_tokens=16,
                              num_scheduled_tokens=2, all_token_ids=PROMPT)
     assert step.loads == [BlockCopy(71, hashes[1], 1), BlockCopy(72, hashes[2], 2), BlockCopy(73, hashes[3], 3)]
@@ -85,7 +85,7 @@ def test_saves_follow_the_computation_block_by_block_through_decode():
     planner.track("r", params(load=False), PROMPT)
     tokens = list(PROMPT)
     first = planner.plan_step("r", [10, 11, 12, 13, 14], True, 0, 18, tokens)
-    hashes = chain(PROMPT)
+    hashes = hashes_of(PROMPT)
     assert [c.block_index for c in first.saves] == [0, 1, 2, 3]
     assert [c.block_id for c in first.saves] == [10, 11, 12, 13]
     assert first.saves[3].block_hash == hashes[3]
@@ -94,7 +94,7 @@ def test_saves_follow_the_computation_block_by_block_through_decode():
     assert planner.plan_step("r", None, False, 18, 1, tokens).saves == []
     tokens.append(501)
     step = planner.plan_step("r", None, False, 19, 1, tokens)
-    assert step.saves == [BlockCopy(14, chain(tokens)[4], 4)]
+    assert step.saves == [BlockCopy(14, hashes_of(tokens)[4], 4)]
     info = planner.saved_info("r", step.saves[0])
     assert info.parent_hash == hashes[3] and info.block_index == 4 and info.tenant == "acme"
     assert planner.saved_info("r", first.saves[0]).parent_hash == ROOT
@@ -165,15 +165,15 @@ def test_an_adapters_request_hashes_and_saves_under_the_adapters_root():
     planner.track("base", params(), PROMPT)
     planner.track("lora", params(model_fingerprint=ADAPTER_FP), PROMPT)
     lora_chain = block_hash_chain(PROMPT, B, ADAPTER_ROOT, SALT)
-    assert planner.requests["base"].hashes == chain(PROMPT)
-    assert planner.requests["lora"].hashes == lora_chain and lora_chain[0] != chain(PROMPT)[0]
+    assert planner.requests["base"].hashes == hashes_of(PROMPT)
+    assert planner.requests["lora"].hashes == lora_chain and lora_chain[0] != hashes_of(PROMPT)[0]
     planner.plan_step("base", [1, 2, 3, 4, 5], True, 0, 18, PROMPT)
     step = planner.plan_step("lora", [6, 7, 8, 9, 10], True, 0, 18, PROMPT)
     assert step.saves == [BlockCopy(6 + i, lora_chain[i], i) for i in range(4)]  # the base's saves do not count
     first, second = (planner.saved_info("lora", copy) for copy in step.saves[:2])
     assert (first.parent_hash, first.model_fingerprint) == (ADAPTER_ROOT, ADAPTER_FP)
     assert second.parent_hash == lora_chain[0]
-    assert planner.saved_info("base", BlockCopy(1, chain(PROMPT)[0], 0)).model_fingerprint == BASE_FP
+    assert planner.saved_info("base", BlockCopy(1, hashes_of(PROMPT)[0], 0)).model_fingerprint == BASE_FP
 
 
 def test_the_mirror_announces_a_held_block_once_its_kite_hash_is_known_in_either_order():

@@ -6,7 +6,6 @@ same over a real nats-server, Redis and S3: tests/integration/test_ru_pool_servi
 from __future__ import annotations
 
 import asyncio
-import hashlib
 
 import pytest
 
@@ -19,29 +18,18 @@ from kite_shared.messages import (
     BlockRemoved, BlockStored, Decision, Heartbeat, ModelFingerprintChanged, PoolAdminReply, PoolAdminRequest,
     PoolGetReply, PoolGetRequest, PoolLookupReply, PoolLookupRequest, ShadowCheckResult,
 )
-from kite_shared.recyclable_unit import RecyclableUnit
 from kite_shared.tiers.keys import BlockKey, model_tag
+from tests.helpers import unit_chain
 
 KEY = b"k" * 32
 FP = "66" * 32
+TINY = (1, 2, 1, 16, 1)  # [layers, key/value, kv heads, tokens, head dim]: 64 bytes of fp16
 FP2 = "77" * 32
 NOW = 1000.0
 
 
 class Bus:
     max_payload = 1 << 20
-
-
-def chain(n: int, fp: str = FP) -> list[tuple[bytes, bytes]]:
-    """(block hash, unit signed with KEY) for a chain of n tiny blocks."""
-    out, parent = [], hashlib.sha256(fp.encode()).digest()
-    for i in range(n):
-        h = hashlib.sha256(parent + bytes([i])).digest()
-        unit = RecyclableUnit(block_hash=h, parent_hash=parent, model_fingerprint=fp, block_index=i,
-                              num_tokens=16, codec="fp16", shape=(1, 2, 1, 16, 1), payload=bytes(range(64)))
-        out.append((h, unit.encode(key=KEY)))
-        parent = h
-    return out
 
 
 class Pool:
@@ -64,7 +52,7 @@ def lookup(fp: str, hashes: list[bytes]) -> bytes:
 
 async def test_puts_then_lookups_and_gets_of_the_hot_tier():
     pool = Pool()
-    blocks = chain(3)
+    blocks = unit_chain(FP, 3, key=KEY, shape=TINY)
     for _, unit in blocks:
         assert await pool.ask(subjects.POOL_PUT, unit) is None  # raw bytes, no reply
     hashes = [h for h, _ in blocks]
@@ -117,7 +105,7 @@ async def test_a_handler_bug_is_answered_internal_error_and_the_endpoint_goes_on
 
 async def test_worker_events_and_heartbeats_feed_the_worker_caches():
     pool = Pool()
-    hashes = [h for h, _ in chain(4)]
+    hashes = [h for h, _ in unit_chain(FP, 4, key=KEY, shape=TINY)]
     await pool.ask(subjects.POOL_BLOCK_EVENTS, BlockStored(worker_id="w1", model_fingerprint=FP,
                                                            block_hashes=hashes[:3], seq=1).encode())
     await pool.ask(subjects.POOL_BLOCK_EVENTS, BlockRemoved(worker_id="w1", model_fingerprint=FP,
@@ -131,7 +119,7 @@ async def test_worker_events_and_heartbeats_feed_the_worker_caches():
 
 async def test_a_new_fingerprint_invalidates_the_old_and_its_purge_runs_in_the_background():
     pool = Pool()
-    blocks = chain(2)
+    blocks = unit_chain(FP, 2, key=KEY, shape=TINY)
     for _, unit in blocks:
         await pool.ask(subjects.POOL_PUT, unit)
     for fp in (FP, FP2):
@@ -148,7 +136,7 @@ async def test_a_new_fingerprint_invalidates_the_old_and_its_purge_runs_in_the_b
 @pytest.mark.parametrize("op", ["pin", "evict"])
 async def test_pins_and_evictions_of_hot_blocks(op):
     pool = Pool()
-    blocks = chain(2)
+    blocks = unit_chain(FP, 2, key=KEY, shape=TINY)
     for _, unit in blocks:
         await pool.ask(subjects.POOL_PUT, unit)
     req = PoolAdminRequest(op=op, model_fingerprint=FP, block_hashes=[h for h, _ in blocks])
@@ -171,7 +159,7 @@ def shadow(diverged: bool, fp: str = FP) -> bytes:
 
 async def test_a_quarantined_namespace_is_a_miss_refuses_puts_and_is_purged_until_lifted():
     pool = Pool()
-    blocks, others = chain(2), chain(2, FP2)
+    blocks, others = unit_chain(FP, 2, key=KEY, shape=TINY), unit_chain(FP2, 2, key=KEY, shape=TINY)
     for _, unit in blocks + others:
         await pool.ask(subjects.POOL_PUT, unit)
     await pool.ask(subjects.MODEL_FINGERPRINT, ModelFingerprintChanged(model_name="m:alpha",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import contextvars
-import hashlib
 import inspect
 from pathlib import Path
 
@@ -24,14 +23,15 @@ from kite_ru_pool.core import PoolCore
 from kite_ru_pool.handlers import PoolHandlers
 from kite_ru_pool.index import COLD, HOT
 from kite_shared.messages import PoolGetRequest, PoolLookupRequest, TierHits
-from kite_shared.recyclable_unit import RecyclableUnit
 from kite_shared.security import ANONYMOUS_TENANT_TAG
 from kite_shared.tiers.client import TierClient
 from kite_shared.tiers.cold import LocalDirTier
 from kite_shared.tiers.keys import BlockKey
+from tests.helpers import unit_chain
 
 KEY = b"k" * 32
 FP = "66" * 32
+TINY = (1, 2, 1, 16, 1)  # [layers, key/value, kv heads, tokens, head dim]: 64 bytes of fp16
 NOW = 1000.0
 
 LOWER = {"index", "tenants", "tier_io", "worker_caches", "records"}
@@ -90,18 +90,6 @@ class Bus:
     max_payload = 1 << 20
 
 
-def chain(n: int) -> list[tuple[bytes, bytes]]:
-    """(block hash, unit signed with KEY) for a chain of n tiny blocks."""
-    out, parent = [], hashlib.sha256(FP.encode()).digest()
-    for i in range(n):
-        h = hashlib.sha256(parent + bytes([i])).digest()
-        unit = RecyclableUnit(block_hash=h, parent_hash=parent, model_fingerprint=FP, block_index=i,
-                              num_tokens=16, codec="fp16", shape=(1, 2, 1, 16, 1), payload=bytes(range(64)))
-        out.append((h, unit.encode(key=KEY)))
-        parent = h
-    return out
-
-
 @pytest.fixture
 async def make_pool(tmp_path: Path):
     """make_pool(n): a pool whose hot tier holds n units, over a cold tier in a folder, its parts wrapped."""
@@ -111,7 +99,8 @@ async def make_pool(tmp_path: Path):
     cores = []
 
     def make(hot_units: int) -> tuple[PoolCore, PoolHandlers, Recorder]:
-        core = PoolCore(hot_bytes=hot_units * len(chain(1)[0][1]), archive_after_s=100.0, warm_ttl_s=60.0,
+        unit_bytes = len(unit_chain(FP, 1, key=KEY, shape=TINY)[0][1])
+        core = PoolCore(hot_bytes=hot_units * unit_bytes, archive_after_s=100.0, warm_ttl_s=60.0,
                         cold_ttl_s=0.0, sweep_interval_s=1.0, has_warm=False, has_cold=True, tiers=tiers,
                         ru_key=KEY, clock=lambda: NOW)
         cores.append(core)
@@ -150,7 +139,7 @@ def assert_walks_down_once(entries: list[tuple[str | None, str, str]], handler: 
 
 async def test_a_lookup_asks_each_lower_layer_once(make_pool):
     core, handlers, recorder = make_pool(4)
-    hashes = [h for h, _ in chain(3)]
+    hashes = [h for h, _ in unit_chain(FP, 3, key=KEY, shape=TINY)]
     core.writes.put_hot(BlockKey.of(FP, hashes[0]), b"x" * 10, NOW)
     core.worker_events.stored("w1", FP, hashes[:2], seq=1, now=NOW)
     recorder.take()
@@ -168,7 +157,7 @@ async def test_a_lookup_asks_each_lower_layer_once(make_pool):
 
 async def test_a_put_walks_down_once_and_its_demotion_after_the_reply_too(make_pool):
     core, handlers, recorder = make_pool(2)
-    blocks = chain(3)
+    blocks = unit_chain(FP, 3, key=KEY, shape=TINY)
     for _, unit in blocks[:2]:
         await handlers.put(unit)
     recorder.take()
@@ -189,7 +178,7 @@ async def test_a_put_walks_down_once_and_its_demotion_after_the_reply_too(make_p
 
 async def test_a_get_walks_down_once_through_hot_and_cold(make_pool):
     core, handlers, recorder = make_pool(3)
-    blocks = chain(3)
+    blocks = unit_chain(FP, 3, key=KEY, shape=TINY)
     first = BlockKey.of(FP, blocks[0][0])
     assert await core.io.cold.put(first, blocks[0][1])  # as archival (or another replica) left it
     core.index.note_stored(first, COLD, len(blocks[0][1]), NOW)
@@ -210,7 +199,7 @@ async def test_a_get_walks_down_once_through_hot_and_cold(make_pool):
 
 async def test_a_workers_tier_hits_walk_down_once_and_their_promotion_after_the_reply_too(make_pool):
     core, handlers, recorder = make_pool(3)
-    blocks = chain(2)
+    blocks = unit_chain(FP, 2, key=KEY, shape=TINY)
     for h, unit in blocks:  # in cold only, as archival left them; a worker read them there itself
         assert await core.io.cold.put(BlockKey.of(FP, h), unit)
         core.index.note_stored(BlockKey.of(FP, h), COLD, len(unit), NOW)

@@ -2,36 +2,25 @@
 
 from __future__ import annotations
 
-import hashlib
 
 import pytest
 
 from kite_shared import recyclable_unit
-from kite_shared.recyclable_unit import RecyclableUnit, RUAuthError, RUChecksumError, RUKeyMismatchError
+from kite_shared.recyclable_unit import RUAuthError, RUChecksumError, RUKeyMismatchError
 from kite_shared.security import ANONYMOUS_TENANT_TAG
 from kite_shared.tiers import base
 from kite_shared.tiers.base import check_units
+from tests.helpers import unit_chain
 
 KEY = b"k" * 32
 FP = "ab" * 32
 SHAPE = (2, 2, 1, 16, 4)
 
 
-def chain(n: int) -> list[tuple[bytes, bytes]]:
-    out, parent = [], b"\x00" * 32
-    for i in range(n):
-        h = hashlib.sha256(parent + bytes([i])).digest()
-        u = RecyclableUnit(block_hash=h, parent_hash=parent, model_fingerprint=FP, block_index=i, num_tokens=16,
-                           codec="fp16", shape=SHAPE, payload=bytes([i]) * (2 * 2 * 16 * 4 * 2))
-        out.append((h, u.encode(key=KEY)))
-        parent = h
-    return out
-
-
 @pytest.mark.parametrize("num_cores", [1, 2, 3])
 def test_each_outcome_is_its_own_units_in_order(monkeypatch, num_cores):
     monkeypatch.setattr(base, "_NUM_CORES", num_cores)
-    blocks = chain(7)
+    blocks = unit_chain(FP, 7, key=KEY, shape=SHAPE)
     hashes = [h for h, _ in blocks]
     values: list = [data for _, data in blocks]
     values[1] = None  # not read

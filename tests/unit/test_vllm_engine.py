@@ -86,6 +86,7 @@ from kite_worker.engines.vllm.engine import VllmEngine  # noqa: E402
 from kite_worker.engines.vllm.kv_plan import PARAMS_KEY  # noqa: E402
 from kite_worker.engines.vllm.model import VllmModel  # noqa: E402
 from kite_worker.write_policy import WritePolicyFilter  # noqa: E402
+from tests.helpers import wait_until_async  # noqa: E402
 from tests.unit.test_adapters import make_folder  # noqa: E402
 
 EOS = 2
@@ -392,20 +393,13 @@ def shadow_calls(llm) -> list[tuple]:
     return [c for c in llm.calls if c[2].startswith("shadow-")]
 
 
-async def wait_until(predicate, timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.01)
-
-
 async def test_a_sampled_hit_is_recomputed_from_scratch_in_pieces_and_judged_on_its_top_logprobs():
     llm = ShadowLLM(recomputed={5: -0.1, 6: -2.5, 7: -4.0})
     engine, outcomes = await shadow_engine(llm, chunk_tokens=6)  # whole 4-token blocks: pieces of 4
     await serve(engine, request("a"))
     served = llm.calls[0][1]
     assert served.logprobs == 20 and not served.skip_reading_prefix_cache
-    await wait_until(lambda: outcomes)
+    await wait_until_async(lambda: outcomes, 5.0, "a shadow outcome", interval_s=0.01)
     pieces = shadow_calls(llm)
     # The prompt (9 tokens) up to each piece's end, under one salt of the check's own: vLLM's prefix
     # cache holds only what this check computed; no KITE parameters, so neither the pool nor the connector.
@@ -425,7 +419,7 @@ async def test_a_diverging_hit_is_reported():
     llm = ShadowLLM(recomputed={7: -0.05, 5: -3.5, 6: -4.5})  # another first token: other numerics
     engine, outcomes = await shadow_engine(llm)
     await serve(engine, request("a"))
-    await wait_until(lambda: outcomes)
+    await wait_until_async(lambda: outcomes, 5.0, "a shadow outcome", interval_s=0.01)
     assert outcomes[0].diverged and outcomes[0].divergence > 1.0
     engine.stop()
 
@@ -434,9 +428,9 @@ async def test_no_piece_of_a_recomputation_starts_while_a_request_runs():
     llm = ShadowLLM(recomputed=dict(SERVED_LOGPROBS), recompute_s=0.1)
     engine, outcomes = await shadow_engine(llm, chunk_tokens=4)
     await serve(engine, request("a"))
-    await wait_until(lambda: shadow_calls(llm))
+    await wait_until_async(lambda: shadow_calls(llm), 5.0, "a shadow recomputation", interval_s=0.01)
     await serve(engine, request("b", reuse=False))  # a user's request arrives mid-check
-    await wait_until(lambda: outcomes)
+    await wait_until_async(lambda: outcomes, 5.0, "a shadow outcome", interval_s=0.01)
     [(_, b_start, b_end)] = [t for t in llm.timeline if t[0] == "b"]
     shadow_starts = [start for rid, start, _ in llm.timeline if rid.startswith("shadow-")]
     assert not any(b_start <= start <= b_end for start in shadow_starts)
