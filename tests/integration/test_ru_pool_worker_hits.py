@@ -16,9 +16,8 @@ from kite_shared.tiers.client import TierClient
 from kite_shared.tiers.keys import BlockKey
 from kite_shared.tiers.pool_client import PoolClient
 from kite_worker.pool_loader import CostModel, PoolLoader
-from tests.integration.test_ru_pool_service import (  # noqa: F401  (fixtures)
-    SHAPE, UNIT_BYTES, client, env, make_chain, new_fp, pools, wait_for,
-)
+from tests.helpers import new_fp, unit_chain, wait_until_async
+from tests.integration.test_ru_pool_service import SHAPE, UNIT_BYTES, client, env, pools  # noqa: F401  (fixtures)
 
 TENANT = "acme"
 
@@ -32,7 +31,7 @@ def worker_loader(pool: PoolClient, tiers: TierClient, fp: str) -> PoolLoader:
 
 async def test_blocks_a_worker_read_from_warm_and_cold_are_served_from_hot_to_the_next(pools, client, env):
     fp = new_fp()
-    chain = make_chain(fp, 6, tenant=TENANT)
+    chain = unit_chain(fp, 6, tenant=TENANT, shape=SHAPE)
     hashes = [h for h, _ in chain]
     keys = [BlockKey.of(fp, h, tenant_tag(TENANT)) for h in hashes]
     tiers = TierClient.from_config(env.tier_cfg())
@@ -43,7 +42,7 @@ async def test_blocks_a_worker_read_from_warm_and_cold_are_served_from_hot_to_th
         for i, (key, (_, data)) in enumerate(zip(keys, chain)):
             assert await (tiers.warm if i < 3 else tiers.cold).put(key, data)
         pool = await pools.start()
-        await wait_for(lambda: all(pool.core.index.tiers_of(k) for k in keys), what="the rebuild indexing them")
+        await wait_until_async(lambda: all(pool.core.index.tiers_of(k) for k in keys), 5.0, "the rebuild indexing them")
         assert (await client.lookup(fp, hashes)).tiers == b"wwwccc"
 
         first = worker_loader(client, tiers, fp)
@@ -53,8 +52,8 @@ async def test_blocks_a_worker_read_from_warm_and_cold_are_served_from_hot_to_th
         assert (tiers.warm.hits - warm_hits, tiers.cold.hits - cold_hits) == (3, 3)  # read directly
         # The report goes on its own within FLUSH_INTERVAL_S; the pool reads each block again and
         # promotes it as a get would: into hot, and a cold one into warm too.
-        await wait_for(lambda: all(pool.core.index.tiers_of(k) & HOT for k in keys), timeout_s=10.0,
-                       what="the blocks the worker read directly promoted into hot")
+        await wait_until_async(lambda: all(pool.core.index.tiers_of(k) & HOT for k in keys), 10.0,
+                               "the blocks the worker read directly promoted into hot")
         await pool.drain_background()
         assert [pool.core.index.tiers_of(k) & (WARM | COLD) for k in keys] == [WARM] * 3 + [WARM | COLD] * 3
         assert pool.core.counters.worker_hits == 6 and pool.core.counters.promotions == 9  # 6 hot, 3 warm
