@@ -62,6 +62,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2, help="workers per fleet")
     parser.add_argument("--threads", type=int, default=0,
                         help="model threads per worker (0: the machine's cores divided among the workers)")
+    parser.add_argument("--cpu-bind", choices=("per-worker", "auto"), default="per-worker",
+                        help="per-worker: worker i of each fleet runs its threads on its own cores (i * threads "
+                             "on, modulo the cores: VLLM_CPU_OMP_THREADS_BIND); auto: vLLM's default, where every "
+                             "engine runs one thread on each core of the machine whatever --threads says")
     parser.add_argument("--eager", action="store_true", help="every engine without torch.compile")
     parser.add_argument("--users", type=int, default=24, help="requests per level, system and round")
     parser.add_argument("--rounds", type=int, default=3)
@@ -84,6 +88,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def default_threads(num_workers: int, num_cores: int) -> int:
     """Each worker's share of the cores, at least one thread."""
     return max(1, num_cores // num_workers)
+
+
+def core_sets(num_workers: int, threads: int, num_cores: int) -> list[str]:
+    """Worker i's cores (VLLM_CPU_OMP_THREADS_BIND), `threads` each, dealt out in turn and wrapping round
+    when the workers want more cores than there are."""
+    return [",".join(str((i * threads + k) % num_cores) for k in range(threads)) for i in range(num_workers)]
+
+
+def worker_envs(args) -> list[dict[str, str]]:
+    """Each worker's engine settings, the same for worker i of either fleet."""
+    if args.cpu_bind == "auto":
+        return [{} for _ in range(args.workers)]
+    return [{"VLLM_CPU_OMP_THREADS_BIND": cores}
+            for cores in core_sets(args.workers, args.threads, os.cpu_count() or 1)]
 
 
 def router_name(policy: str) -> str:
@@ -149,14 +167,14 @@ class VllmFleet:
         self.servers: list = []  # (Popen, url, ZMQ KV-event endpoint or "")
         self.routers: dict[str, tuple] = {}  # policy -> (Popen, url)
         kv_events = "kv_aware" in args.policies
-        for _ in range(args.workers):
+        for env in worker_envs(args):
             extra: tuple[str, ...] = ()
             endpoint = ""
             if kv_events:
                 endpoint = f"tcp://127.0.0.1:{free_port()}"
                 extra = ("--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                                            "endpoint": endpoint.replace("127.0.0.1", "*")}))
-            proc, url = plain_vllm(args, model_path, log_dir, extra, wait=False)
+            proc, url = plain_vllm(args, model_path, log_dir, extra, wait=False, env=env)
             self.servers.append((proc, url, endpoint))
 
     def wait(self) -> None:
@@ -171,7 +189,8 @@ class VllmFleet:
     def _start_router(self, policy: str) -> tuple:
         port = free_port()
         cmd = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-               "--policy", policy, "--worker-urls", *(url for _, url, _ in self.servers), "--log-level", "warning"]
+               "--policy", policy, "--worker-urls", *(url for _, url, _ in self.servers), "--log-level", "warning",
+               "--prometheus-port", str(free_port())]
         if policy == "kv_aware":
             cmd += ["--kv-event-block-size", str(self.args.block_size), "--kv-event-model", MODEL]
             for _, url, endpoint in self.servers:
@@ -279,6 +298,21 @@ def fleet_systems(args, kite: LocalStack, peers: VllmFleet) -> dict[str, System]
     return systems
 
 
+def wait_workers(stack: LocalStack, num_workers: int, timeout_s: float) -> None:
+    """Until the gateway counts `num_workers` live workers (its /health turns 200 with the first)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(stack.http_url + "/health", timeout=2).json().get("workers", 0) >= num_workers:
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        if not stack.workers():
+            raise RuntimeError(f"no KITE worker is left; logs in {stack.log_dir}")
+        time.sleep(0.5)
+    raise TimeoutError(f"{num_workers} KITE workers not live within {timeout_s} s; logs in {stack.log_dir}")
+
+
 def fingerprinter_decisions(stack: LocalStack) -> dict[str, float]:
     for proc in stack.processes:
         if proc.name == "fingerprinter" and proc.metrics_port:
@@ -296,7 +330,8 @@ def run(args, model_path: Path, log_dir: Path) -> dict:
     kite = None
     try:
         kite = kite_stack(args, log_dir, num_workers=args.workers,
-                          services=("fingerprinter", "ru-pool", "arbitrator", "gateway"))
+                          services=("fingerprinter", "ru-pool", "arbitrator", "gateway"), worker_envs=worker_envs(args))
+        wait_workers(kite, args.workers, 900)
         peers.wait()
         systems = fleet_systems(args, kite, peers)
         for _, url, _ in peers.servers:  # every engine's first passes (allocation, kernels) before timing

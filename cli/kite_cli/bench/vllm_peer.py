@@ -210,9 +210,9 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) 
 
 
 def plain_vllm(args, model_path: Path, log_dir: Path, extra: tuple[str, ...] = (),
-               wait: bool = True) -> tuple[subprocess.Popen, str]:
-    """A plain vLLM OpenAI server with KITE's engine flags (and `extra` ones); `wait`: until it answers
-    /health (else the caller waits, `wait_http`, so that several start at once)."""
+               wait: bool = True, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """A plain vLLM OpenAI server with KITE's engine flags (and `extra` ones, `env` settings); `wait`:
+    until it answers /health (else the caller waits, `wait_http`, so that several start at once)."""
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
            "--served-model-name", MODEL, "--dtype", "float32", "--enable-prefix-caching",
@@ -222,8 +222,8 @@ def plain_vllm(args, model_path: Path, log_dir: Path, extra: tuple[str, ...] = (
         cmd.append("--enforce-eager")
     cmd.extend(extra)
     log = (log_dir / f"vllm-{port}.log").open("ab")
-    proc = subprocess.Popen(cmd, env={**os.environ, **engine_env(args)}, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, env={**os.environ, **engine_env(args), **(env or {})}, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     if not wait:
         return proc, url
@@ -243,8 +243,10 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def kite_stack(args, log_dir: Path, num_workers: int = 1,
-               services: tuple[str, ...] = ("fingerprinter", "ru-pool", "gateway")) -> LocalStack:
-    """KITE on vLLM with plain_vllm's engine flags; `args.threads` (if set) model threads per worker."""
+               services: tuple[str, ...] = ("fingerprinter", "ru-pool", "gateway"),
+               worker_envs: list[dict[str, str]] | None = None) -> LocalStack:
+    """KITE on vLLM with plain_vllm's engine flags; `args.threads` (if set) model threads per worker,
+    `worker_envs` each worker's own settings. Returns once the gateway is healthy (one worker up)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {"KITE_ENGINE": "vllm", "KITE_VLLM_ENFORCE_EAGER": "on" if args.eager else "off",
            "KITE_VLLM_KV_CACHE_GIB": f"{args.kv_gib:g}", "KITE_BLOCK_SIZE": str(args.block_size),
@@ -252,7 +254,7 @@ def kite_stack(args, log_dir: Path, num_workers: int = 1,
     if getattr(args, "threads", 0):
         env["KITE_WORKER_NUM_THREADS"] = str(args.threads)
     stack = LocalStack(StackOptions(num_workers=num_workers, env=env, log_dir=log_dir / "kite",
-                                    services=services, metrics=True))
+                                    services=services, metrics=True, worker_envs=worker_envs or []))
     started = time.monotonic()
     stack.start(timeout_s=900)
     print(f"KITE stack ready in {time.monotonic() - started:.0f} s", flush=True)
