@@ -4,6 +4,8 @@ engines and is run by hand (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kite_cli.bench import fleet
@@ -136,12 +138,17 @@ def test_prometheus_samples_are_summed_over_labels_or_split_by_one():
         "vllm:request_success_total_created 1.7e9",
         'kite_router_decisions_total{reason="cache_aware"} 40.0',
         'kite_router_decisions_total{reason="balance"} 2.0',
-        "plain_metric 5"])
+        "plain_metric 5",
+        'vllm_router_processed_requests_total{route="/v1/chat/completions",worker="http://127.0.0.1:8001"} 4',
+        'vllm_router_processed_requests_total{route="/v1/completions",worker="http://127.0.0.1:8001/"} 1',
+        'vllm_router_processed_requests_total{route="/v1/chat/completions",worker="http://127.0.0.1:8002"} 6'])
     assert fleet.sum_samples(text, "vllm:request_success_total") == 15.0
     assert fleet.sum_samples(text, "plain_metric") == 5.0
     assert fleet.sum_samples(text, "absent") == 0.0
     assert fleet.samples_by_label(text, "kite_router_decisions_total", "reason") == \
         {"cache_aware": 40.0, "balance": 2.0}
+    assert fleet.samples_by_url(text, "vllm_router_processed_requests_total") == \
+        {"http://127.0.0.1:8001": 5.0, "http://127.0.0.1:8002": 6.0}
 
 
 def test_each_worker_gets_its_own_cores_the_same_in_both_fleets():
@@ -150,5 +157,5 @@ def test_each_worker_gets_its_own_cores_the_same_in_both_fleets():
     assert fleet.core_sets(3, 1, 2) == ["0", "1", "0"]  # more workers than cores: wrap round
     args = fleet.parse_args(["--workers", "2", "--threads", "1"])
     envs = fleet.worker_envs(args)
-    assert [e["VLLM_CPU_OMP_THREADS_BIND"] for e in envs] == fleet.core_sets(2, 1, __import__("os").cpu_count())
+    assert [e["VLLM_CPU_OMP_THREADS_BIND"] for e in envs] == fleet.core_sets(2, 1, os.cpu_count())
     assert fleet.worker_envs(fleet.parse_args(["--cpu-bind", "auto"])) == [{}, {}]

@@ -165,7 +165,7 @@ class VllmFleet:
         self.args = args
         self.log_dir = log_dir
         self.servers: list = []  # (Popen, url, ZMQ KV-event endpoint or "")
-        self.routers: dict[str, tuple] = {}  # policy -> (Popen, url)
+        self.routers: dict[str, tuple] = {}  # policy -> (Popen, url, Prometheus port)
         kv_events = "kv_aware" in args.policies
         for env in worker_envs(args):
             extra: tuple[str, ...] = ()
@@ -187,10 +187,10 @@ class VllmFleet:
         print(f"vllm-router ready: {', '.join(self.args.policies)}", flush=True)
 
     def _start_router(self, policy: str) -> tuple:
-        port = free_port()
+        port, metrics_port = free_port(), free_port()
         cmd = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
                "--policy", policy, "--worker-urls", *(url for _, url, _ in self.servers), "--log-level", "warning",
-               "--prometheus-port", str(free_port())]
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
         if policy == "kv_aware":
             cmd += ["--kv-event-block-size", str(self.args.block_size), "--kv-event-model", MODEL]
             for _, url, endpoint in self.servers:
@@ -199,7 +199,7 @@ class VllmFleet:
         proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", 120, proc)
-        return proc, url
+        return proc, url, metrics_port
 
     def cpu(self, policy: str) -> dict[str, float]:
         """CPU seconds so far: this policy's router, the servers' API processes, their engine cores."""
@@ -209,24 +209,24 @@ class VllmFleet:
         groups["vllm engine core"] = sum(children for _, children in api)
         return groups
 
-    def requests_by_server(self) -> dict[str, float]:
-        """Requests each server finished so far (its Prometheus counter)."""
-        return {url.rsplit(":", 1)[1]: scrape_total(url + "/metrics", "vllm:request_success_total")
-                for _, url, _ in self.servers}
+    def requests_by_server(self, policy: str) -> dict[str, float]:
+        """Requests this policy's router sent each server so far, by the server's port (the router's counter:
+        the servers keep none, run as KITE runs vLLM, without stats)."""
+        text = metrics_text(f"http://127.0.0.1:{self.routers[policy][2]}/metrics")
+        return {url.rsplit(":", 1)[1]: n for url, n in
+                samples_by_url(text, "vllm_router_processed_requests_total").items()}
+
+    def kv_event_samples(self) -> list[str]:
+        """The kv_aware router's KV-index counters (whether it heard the servers' KV events at all)."""
+        if "kv_aware" not in self.routers:
+            return []
+        text = metrics_text(f"http://127.0.0.1:{self.routers['kv_aware'][2]}/metrics")
+        return [line for line in text.splitlines() if line.startswith("vllm_router_kv_")]
 
     def stop(self) -> None:
         for proc, *_ in [*self.routers.values(), *self.servers]:
             if proc.poll() is None:
                 stop(proc)
-
-
-def scrape_total(url: str, metric: str) -> float:
-    """The sum of a Prometheus metric's samples over its labels (0 when absent or unreachable)."""
-    try:
-        text = httpx.get(url, timeout=5).text
-    except httpx.HTTPError:
-        return 0.0
-    return sum_samples(text, metric)
 
 
 def sum_samples(text: str, metric: str) -> float:
@@ -237,6 +237,16 @@ def sum_samples(text: str, metric: str) -> float:
 def samples_by_label(text: str, metric: str, label: str) -> dict[str, float]:
     pattern = re.compile(rf'^{re.escape(metric)}{{[^}}]*{label}="([^"]*)"[^}}]*}} ([0-9.eE+-]+)$')
     return {m.group(1): float(m.group(2)) for line in text.splitlines() if (m := pattern.match(line))}
+
+
+def samples_by_url(text: str, metric: str) -> dict[str, float]:
+    """A metric's samples summed by the first label value that is a URL (a router's worker)."""
+    pattern = re.compile(rf'^{re.escape(metric)}{{[^}}]*="(https?://[^"]*)"[^}}]*}} ([0-9.eE+-]+)$')
+    out: Counter[str] = Counter()
+    for line in text.splitlines():
+        if m := pattern.match(line):
+            out[m.group(1).rstrip("/")] += float(m.group(2))
+    return dict(out)
 
 
 def kite_requests_by_worker(client: Client) -> dict[str, float]:
@@ -282,9 +292,9 @@ def report(args, results: dict) -> None:
         if name == KITE:
             print(f"  {'':<20} control plane (all but the engine cores): {control_plane(per):.1f} ms a request")
     print("\nKITE pool memory (RSS): " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in results["pool_rss"].items()))
-    if results.get("routing_decisions"):
-        print("KITE routing decisions by reason: "
-              + ", ".join(f"{k} {v:.0f}" for k, v in sorted(results["routing_decisions"].items())))
+    report_kite_metrics(results["kite_metrics"])
+    if results.get("kv_aware_index"):
+        print("kv_aware router's KV index: " + "; ".join(results["kv_aware_index"]))
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -294,7 +304,8 @@ def fleet_systems(args, kite: LocalStack, peers: VllmFleet) -> dict[str, System]
                             per_worker=lambda: kite_requests_by_worker(kite_client))}
     for policy in args.policies:
         systems[router_name(policy)] = System(Client(peers.routers[policy][1], MODEL),
-                                              lambda p=policy: peers.cpu(p), per_worker=peers.requests_by_server)
+                                              lambda p=policy: peers.cpu(p),
+                                              per_worker=lambda p=policy: peers.requests_by_server(p))
     return systems
 
 
@@ -313,15 +324,48 @@ def wait_workers(stack: LocalStack, num_workers: int, timeout_s: float) -> None:
     raise TimeoutError(f"{num_workers} KITE workers not live within {timeout_s} s; logs in {stack.log_dir}")
 
 
-def fingerprinter_decisions(stack: LocalStack) -> dict[str, float]:
+def metrics_text(url: str) -> str:
+    try:
+        return httpx.get(url, timeout=5).text
+    except httpx.HTTPError:
+        return ""
+
+
+def kite_metrics(stack: LocalStack) -> dict:
+    """What KITE's own counters say so far: the fingerprinter's routing decisions by reason; per worker,
+    prompt tokens by KV source and its TTFT from admission (sum, count); the gateway's TTFT (sum, count)."""
+    out: dict = {"routing_decisions": {}, "workers": {}}
     for proc in stack.processes:
-        if proc.name == "fingerprinter" and proc.metrics_port:
-            try:
-                text = httpx.get(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=5).text
-            except httpx.HTTPError:
-                return {}
-            return samples_by_label(text, "kite_router_decisions_total", "reason")
-    return {}
+        if proc.process.poll() is not None or not proc.metrics_port:
+            continue
+        text = metrics_text(f"http://127.0.0.1:{proc.metrics_port}/metrics")
+        if proc.name == "fingerprinter":
+            out["routing_decisions"] = samples_by_label(text, "kite_router_decisions_total", "reason")
+        elif proc.name == "worker":
+            out["workers"][proc.instance_id] = {
+                "prompt_tokens": samples_by_label(text, "kite_prompt_tokens_total", "source"),
+                "ttft_sum_s": sum_samples(text, "kite_worker_ttft_seconds_sum"),
+                "ttft_count": sum_samples(text, "kite_worker_ttft_seconds_count")}
+    text = metrics_text(stack.http_url + "/metrics")
+    out["gateway"] = {"ttft_sum_s": sum_samples(text, "kite_ttft_seconds_sum"),
+                      "ttft_count": sum_samples(text, "kite_ttft_seconds_count")}
+    return out
+
+
+def mean(total: float, count: float) -> float:
+    return total / count if count else float("nan")
+
+
+def report_kite_metrics(m: dict) -> None:
+    print("KITE routing decisions by reason: "
+          + ", ".join(f"{k} {v:.0f}" for k, v in sorted(m["routing_decisions"].items())))
+    for worker, w in sorted(m["workers"].items()):
+        sources = ", ".join(f"{k} {v:.0f}" for k, v in sorted(w["prompt_tokens"].items()))
+        print(f"  {worker}: {w['ttft_count']:.0f} first tokens, mean TTFT from its admission "
+              f"{mean(w['ttft_sum_s'], w['ttft_count']):.3f} s; prompt tokens by KV source: {sources}")
+    g = m["gateway"]
+    print(f"  gateway: {g['ttft_count']:.0f} first tokens, mean TTFT {mean(g['ttft_sum_s'], g['ttft_count']):.3f} s "
+          f"(the difference from the workers' is the way to them: gateway, fingerprinter, pool lookup, NATS)")
 
 
 def run(args, model_path: Path, log_dir: Path) -> dict:
@@ -340,7 +384,8 @@ def run(args, model_path: Path, log_dir: Path) -> dict:
             systems[KITE].client.warm_up()
         results.update(alternating_rounds(systems, args.rounds, args.concurrency, args.users))
         results["pool_rss"] = pool_rss(kite)
-        results["routing_decisions"] = fingerprinter_decisions(kite)
+        results["kite_metrics"] = kite_metrics(kite)
+        results["kv_aware_index"] = peers.kv_event_samples()
         report(args, results)
         if not args.no_working_set:
             peer = router_name(args.policies[0])
