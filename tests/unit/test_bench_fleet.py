@@ -159,3 +159,15 @@ def test_each_worker_gets_its_own_cores_the_same_in_both_fleets():
     envs = fleet.worker_envs(args)
     assert [e["VLLM_CPU_OMP_THREADS_BIND"] for e in envs] == fleet.core_sets(2, 1, os.cpu_count())
     assert fleet.worker_envs(fleet.parse_args(["--cpu-bind", "auto"])) == [{}, {}]
+
+
+def test_background_cpu_is_what_a_system_used_while_the_others_ran():
+    results = {
+        "kite": {"rounds": [{"cpu_s": {"gateway": 1.0, "ru-pool": 1.0}, "wall_s": 10.0, "idle_peer_cpu": {}}]},
+        "router": {"rounds": [
+            {"cpu_s": {"router": 0.1}, "wall_s": 4.0, "idle_peer_cpu": {"gateway": 0.2, "ru-pool": 0.4, "x": 9.0}},
+            {"cpu_s": {"router": 0.1}, "wall_s": 6.0, "idle_peer_cpu": {"gateway": 0.3, "ru-pool": 0.6}}]}}
+    # 0.5 and 1.0 CPU seconds over the router's 10 s of turns; "x" belongs to no KITE group
+    assert fleet.background_cpu(results, "kite", ["router"]) == {"gateway": pytest.approx(0.05),
+                                                                 "ru-pool": pytest.approx(0.1)}
+    assert fleet.background_cpu(results, "kite", []) == {}

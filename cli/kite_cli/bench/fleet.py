@@ -266,6 +266,19 @@ def sum_cpu(levels: list[dict]) -> dict[str, float]:
     return dict(total)
 
 
+def background_cpu(results: dict, name: str, others: list[str]) -> dict[str, float]:
+    """CPU seconds per second that system `name`'s process groups used while the `others` were loaded and it
+    was idle (telemetry, heartbeats, sweeps: what it costs with no request)."""
+    own = set(sum_cpu(results[name]["rounds"]))
+    idle: Counter[str] = Counter()
+    wall = 0.0
+    for other in others:
+        for level in results[other]["rounds"]:
+            idle.update({k: v for k, v in level["idle_peer_cpu"].items() if k in own})
+            wall += level["wall_s"]
+    return {k: v / wall for k, v in sorted(idle.items())} if wall else {}
+
+
 def control_plane(groups: dict[str, float]) -> float:
     """KITE's control plane: every group but the engine cores (the model's own work)."""
     return sum(v for k, v in groups.items() if k != "worker engine core")
@@ -291,6 +304,11 @@ def report(args, results: dict) -> None:
         print(f"  {name:<20} " + ", ".join(f"{k} {v:.1f}" for k, v in per.items()))
         if name == KITE:
             print(f"  {'':<20} control plane (all but the engine cores): {control_plane(per):.1f} ms a request")
+            idle = background_cpu(results, KITE, names[1:])
+            wall = sum(lv["wall_s"] for lv in levels)
+            print(f"  {'':<20} of which with no request (its CPU while idle, ms per s, x its {wall:.0f} s of "
+                  f"turns / requests): " + ", ".join(f"{k} {1000 * v:.1f} ({1000 * v * wall / requests:.1f})"
+                                                     for k, v in idle.items()))
     print("\nKITE pool memory (RSS): " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in results["pool_rss"].items()))
     report_kite_metrics(results["kite_metrics"])
     if results.get("kv_aware_index"):
@@ -341,6 +359,9 @@ def kite_metrics(stack: LocalStack) -> dict:
         text = metrics_text(f"http://127.0.0.1:{proc.metrics_port}/metrics")
         if proc.name == "fingerprinter":
             out["routing_decisions"] = samples_by_label(text, "kite_router_decisions_total", "reason")
+            out["fingerprinter"] = {name: (sum_samples(text, f"{metric}_sum"), sum_samples(text, f"{metric}_count"))
+                                    for name, metric in (("tokenize", "kite_tokenize_seconds"),
+                                                         ("block hashes", "kite_cf_compute_seconds"))}
         elif proc.name == "worker":
             out["workers"][proc.instance_id] = {
                 "prompt_tokens": samples_by_label(text, "kite_prompt_tokens_total", "source"),
@@ -359,6 +380,8 @@ def mean(total: float, count: float) -> float:
 def report_kite_metrics(m: dict) -> None:
     print("KITE routing decisions by reason: "
           + ", ".join(f"{k} {v:.0f}" for k, v in sorted(m["routing_decisions"].items())))
+    print("  fingerprinter, mean per request: " + ", ".join(
+        f"{name} {1000 * mean(*sums):.1f} ms" for name, sums in m.get("fingerprinter", {}).items()))
     for worker, w in sorted(m["workers"].items()):
         sources = ", ".join(f"{k} {v:.0f}" for k, v in sorted(w["prompt_tokens"].items()))
         print(f"  {worker}: {w['ttft_count']:.0f} first tokens, mean TTFT from its admission "

@@ -332,8 +332,8 @@ def alternating_rounds(systems: dict[str, System], num_rounds: int, concurrency:
                        users: int) -> dict[str, dict]:
     """Every concurrency level on every system, one system loaded at a time, `num_rounds` rounds in
     alternating order (round_order). Per system: {"rounds": each level run (with `cpu_s`, its own
-    processes' CPU by group, `idle_peer_cpu_s`, what the idle systems used meanwhile, and
-    `per_worker_requests`, warm-up included), "levels": pooled over rounds}."""
+    processes' CPU by group, `idle_peer_cpu`, what the idle systems used meanwhile by group, its sum
+    `idle_peer_cpu_s`, and `per_worker_requests`, warm-up included), "levels": pooled over rounds}."""
     rounds: dict[str, list[dict]] = {name: [] for name in systems}
     for r in range(num_rounds):
         order = round_order(list(systems), r)
@@ -343,7 +343,8 @@ def alternating_rounds(systems: dict[str, System], num_rounds: int, concurrency:
                 own_before, idle_before, served_before = system.cpu(), idle_cpu(systems, name), counts(system)
                 level = run_level(system.client, c, users, 1000 * c + 100 * r)
                 level["round"], level["cpu_s"] = r, delta(own_before, system.cpu())
-                level["idle_peer_cpu_s"] = sum(delta(idle_before, idle_cpu(systems, name)).values())
+                level["idle_peer_cpu"] = delta(idle_before, idle_cpu(systems, name))
+                level["idle_peer_cpu_s"] = sum(level["idle_peer_cpu"].values())
                 level["per_worker_requests"] = delta(served_before, counts(system))
                 rounds[name].append(level)
                 print(f"round {r} {name:<4} c={c}: TTFT p50 {level['ttft_p50_s']:.3f} s, "
