@@ -388,7 +388,7 @@ def report_kite_metrics(m: dict) -> None:
               f"{mean(w['ttft_sum_s'], w['ttft_count']):.3f} s; prompt tokens by KV source: {sources}")
     g = m["gateway"]
     print(f"  gateway: {g['ttft_count']:.0f} first tokens, mean TTFT {mean(g['ttft_sum_s'], g['ttft_count']):.3f} s "
-          f"(the difference from the workers' is the way to them: gateway, fingerprinter, pool lookup, NATS)")
+          f"(the workers' own clocks start at their admission, the gateway's at its start of the generation)")
 
 
 def run(args, model_path: Path, log_dir: Path) -> dict:
