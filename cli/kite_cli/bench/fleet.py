@@ -6,7 +6,9 @@ requirements-dev.txt). Both fleets run the same engine with the same flags as `k
 bytes (`--kv-gib`) and model threads (`--threads`, default: the cores shared out). Both fleets are up at
 once and loaded in alternating rounds (one system at a time; the idle ones' CPU is printed). One router
 process per policy (`--policies`: cache_aware, vllm-router's default; round_robin, the floor; kv_aware,
-fed by the servers' ZMQ KV events) stands in front of the same N servers.
+subscribed to the servers' ZMQ KV events) stands in front of the same N servers. kv_aware 0.1.17 finds no
+token ids in a chat request (its lookups end `missing_tokens`, printed from its counters) and routes by its
+fallback; it counts no requests per server either.
 
 Scenarios:
   (a) one hot shared system prompt (~1,000 tokens), `--users` distinct questions per level, round and
