@@ -21,8 +21,10 @@ class StandInWorker:
         self.reused = self.computed = 0
         self.ttft: list[float] = []
         self.calls: list[str] = []
+        self.num_occupancy_reads = 0
 
     def occupancy(self) -> tuple[int, int]:
+        self.num_occupancy_reads += 1
         return self.queued, self.running
 
     def load(self) -> WorkerLoad:
@@ -110,15 +112,43 @@ async def test_telemetry_goes_out_at_start_on_a_change_and_when_asked_not_otherw
     round_ = asyncio.ensure_future(control.publish_when_due())
     await asyncio.sleep(0.3)
     assert not round_.done()  # nothing changed, the interval (60 s) is far
+    worker.running = 1
+    started = time.monotonic()
+    control.accepted()  # an idle worker admits a request: at once, not at the next poll
+    await asyncio.wait_for(round_, 1)
+    assert time.monotonic() - started < 0.05 and bus.sent[-1].num_running == 1
+    round_ = asyncio.ensure_future(control.publish_when_due())
+    await asyncio.sleep(0.3)
+    assert not round_.done()
     worker.queued = 2
-    await asyncio.wait_for(round_, 1)  # a significant change: within the 100 ms poll
+    await asyncio.wait_for(round_, 1)  # a busy worker's change: within the 100 ms poll
     assert bus.sent[-1].queue_depth == 2
     round_ = asyncio.ensure_future(control.publish_when_due())
     await asyncio.sleep(0.05)
     started = time.monotonic()
     control.publish_soon()
     await asyncio.wait_for(round_, 1)
-    assert time.monotonic() - started < 0.05 and len(bus.sent) == 3  # woken, not polled
+    assert time.monotonic() - started < 0.05 and len(bus.sent) == 4  # woken, not polled
+
+
+async def test_an_idle_worker_is_not_polled_between_intervals():
+    control, worker, bus = make(interval_s=0.6)
+    await control.publish_when_due()
+    reads = worker.num_occupancy_reads
+    round_ = asyncio.ensure_future(control.publish_when_due())
+    await asyncio.sleep(0.4)
+    assert not round_.done() and worker.num_occupancy_reads - reads <= 1  # polled, it would be 4 or more
+    await asyncio.wait_for(round_, 1)  # the interval
+    assert len(bus.sent) == 2
+
+
+async def test_host_memory_is_read_at_most_once_a_second(monkeypatch):
+    import kite_worker.control as control_module
+    reads = []
+    monkeypatch.setattr(control_module, "memory_used_fraction", lambda: reads.append(1) or 0.5)
+    control, _, _ = make()
+    assert [control.snapshot().memory_used_fraction for _ in range(5)] == [0.5] * 5
+    assert len(reads) == 1
 
 
 async def test_the_interval_alone_makes_telemetry_due():

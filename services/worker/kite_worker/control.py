@@ -2,7 +2,8 @@
 
 - Telemetry (`kite_shared.messages.WorkerTelemetry` on kite.v1.telemetry.worker) every
   KITE_TELEMETRY_INTERVAL_S, and sooner on a significant change: within 100 ms when queue depth, running
-  requests or the standby flag change; at once when asked (`publish_soon`: an activation, a decision, the
+  requests or the standby flag change while requests are in flight; at once when an idle worker admits a
+  request (an idle worker's shape changes only then, so it wakes for nothing else); at once when asked (`publish_soon`: an activation, a decision, the
   drain); and right before a stream's last event, whose publisher awaits `publish` (routers see the freed
   slot before the client can send its next turn).
 - Decisions (kite.v1.arbitrator.decisions) for this worker or "*": `write_policy` sets the Upcycle write
@@ -34,6 +35,9 @@ from kite_worker.write_policy import WritePolicyFilter
 log = logging.getLogger(__name__)
 
 _CHANGE_POLL_S = 0.1
+# Telemetry goes out on every change of a busy worker's shape (several a request): the host's memory,
+# which moves slowly, is read from /proc at most this often.
+_MEMORY_READ_S = 1.0
 
 
 def memory_used_fraction() -> float:
@@ -73,7 +77,7 @@ class Worker(Protocol):
     """What the control plane asks of the worker service (kite_worker.service.WorkerService)."""
 
     def occupancy(self) -> tuple[int, int]:
-        """(queued, running) requests; cheap: polled every 100 ms."""
+        """(queued, running) requests; cheap: polled every 100 ms while requests are in flight."""
 
     def load(self) -> WorkerLoad:
         """The figures of one telemetry message (hands over the TTFT samples gathered since the last)."""
@@ -107,6 +111,7 @@ class WorkerControl:
         self._wanted.set()  # the first message goes out when the loop starts
         self._last_shape: tuple | None = None
         self._last_sent = 0.0
+        self._memory_used = (0.0, -_MEMORY_READ_S)  # (fraction, monotonic when read)
 
     async def start(self) -> None:
         """Take requests, unless standing by (KITE_WORKER_STANDBY) until a decision activates this worker."""
@@ -118,6 +123,8 @@ class WorkerControl:
     def accepted(self) -> None:
         """A request was admitted (the first one after an activation measures its latency)."""
         self._accepted += 1
+        if self._idle_when_sent():
+            self.publish_soon()  # the loop waits for nothing else while idle (publish_when_due)
         if self._activation is not None:
             decision_id, issued_at = self._activation
             self._activation = None
@@ -168,7 +175,7 @@ class WorkerControl:
             max_running=load.max_running, running_tokens=load.running_tokens,
             prefill_backlog_tokens=load.prefill_backlog_tokens,
             cache_bytes=load.cache_bytes, cache_capacity_bytes=load.cache_capacity_bytes,
-            memory_used_fraction=memory_used_fraction(),
+            memory_used_fraction=self._memory_used_fraction(now),
             local_hit_rate=round(reused / total, 4) if total else 0.0, prompt_tokens_window=total,
             prefill_tokens_per_s=round(1 / load.prefill_seconds_per_token, 1)
             if load.prefill_seconds_per_token > 0 else 0.0,
@@ -180,6 +187,13 @@ class WorkerControl:
             pool_read=load.pool_read,
             requests_accepted=self._accepted, activation_decision_id=self._activation_id,
             activation_latency_s=self._activation_latency)
+
+    def _memory_used_fraction(self, now: float) -> float:
+        fraction, read_at = self._memory_used
+        if now - read_at >= _MEMORY_READ_S:
+            fraction = memory_used_fraction()
+            self._memory_used = (fraction, now)
+        return fraction
 
     def publish_soon(self) -> None:
         """Have the telemetry loop publish at once (it is woken, not waited for)."""
@@ -196,12 +210,20 @@ class WorkerControl:
         """One round of the telemetry loop, which the runtime runs until shutdown (rt.every with no pause:
         this round waits by itself): wait until a message is due, then publish it."""
         while not self._due():
+            # Busy, the shape is polled; idle, only an admission changes it, and `accepted` wakes this
+            # loop: an idle worker wakes once an interval (each wake-up costs its event loop CPU).
+            wait_s = (self.interval_s - (time.monotonic() - self._last_sent) if self._idle_when_sent()
+                      else _CHANGE_POLL_S)
             try:
-                async with asyncio.timeout(_CHANGE_POLL_S):
+                async with asyncio.timeout(max(0.0, wait_s)):
                     await self._wanted.wait()
             except TimeoutError:
                 pass
         await self.publish()
+
+    def _idle_when_sent(self) -> bool:
+        """No request queued or running at the last message."""
+        return self._last_shape is not None and self._last_shape[:2] == (0, 0)
 
     def _due(self) -> bool:
         return (self._wanted.is_set() or self._shape() != self._last_shape
