@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import threading
 import shutil
 import subprocess
@@ -54,10 +55,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-gib", type=float, default=0.4)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=0, help="model threads per worker (0: vLLM's default)")
+    parser.add_argument("--write-policy", default="write_through", choices=("write_through", "selective", "off"),
+                        help="KITE_WORKER_WRITE_POLICY (the default saves every new block to the pool)")
+    parser.add_argument("--code", type=Path,
+                        help="run the services from this checkout (e.g. a `git worktree` of an older commit) "
+                             "instead of the installed packages, to compare two versions alternately")
     parser.add_argument("--count-messages", action="store_true", help="count NATS messages by subject")
     parser.add_argument("--profile", type=Path, help="sample each control-plane process with py-spy into DIR")
     parser.add_argument("--json", type=Path)
     return parser.parse_args(argv)
+
+
+def code_path(checkout: Path | None) -> dict[str, str]:
+    """PYTHONPATH that makes the services import `checkout`'s packages first."""
+    if checkout is None:
+        return {}
+    roots = [checkout / "shared", *sorted(p for p in (checkout / "services").iterdir() if p.is_dir())]
+    return {"PYTHONPATH": os.pathsep.join(str(r.resolve()) for r in roots)}
 
 
 def control_plane(cpu: dict[str, float]) -> dict[str, float]:
@@ -183,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log_dir = Path(tempfile.mkdtemp(prefix="kite-bench-cp-"))
     stack = kite_stack(args, log_dir, num_workers=args.workers,
-                       services=("fingerprinter", "ru-pool", "arbitrator", "gateway"))
+                       services=("fingerprinter", "ru-pool", "arbitrator", "gateway"),
+                       env={"KITE_WORKER_WRITE_POLICY": args.write_policy, **code_path(args.code)})
     try:
         client = Client(stack.http_url, MODEL)
         client.warm_up()

@@ -698,8 +698,9 @@ class ArbitratorConfig(_MetricsPort, _Telemetry):
         "it as `ttft_over_slo`. The default suits the CPU worker (a 2,048-token prefill alone takes ~5 s); set it "
         "to your SLO.", minimum=0.001)
     eval_interval_s: float = env(
-        "KITE_ARBITRATOR_EVAL_INTERVAL_S", "0.25", "Seconds between periodic rule evaluations (telemetry also "
-        "triggers one at once).", minimum=0.01)
+        "KITE_ARBITRATOR_EVAL_INTERVAL_S", "1.0", "Seconds between periodic rule evaluations (telemetry also "
+        "triggers one at once, and every service sends it each KITE_TELEMETRY_INTERVAL_S): the timer matters "
+        "when telemetry stops (staleness) and for `for_s` conditions.", minimum=0.01)
     min_active_workers: int = env(
         "KITE_ARBITRATOR_MIN_ACTIVE_WORKERS", "1", "Scale-in never leaves fewer active (non-standby) workers than "
         "this.", minimum=0)

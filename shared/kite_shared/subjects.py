@@ -82,6 +82,11 @@ def stream(gateway_id: str, request_id: str) -> str:
     return f"{PREFIX}.stream.{_token(gateway_id)}.{_token(request_id)}"
 
 
+def stream_wildcard(gateway_id: str) -> str:
+    """Every request's stream subject of one gateway (its one subscription to them all)."""
+    return f"{PREFIX}.stream.{_token(gateway_id)}.*"
+
+
 def _token(part: str) -> str:
     # NATS subject tokens may not contain '.', '*', '>' or whitespace.
     if not part or any(c in part for c in ".*> \t\r\n"):

@@ -244,13 +244,14 @@ def stop(proc: subprocess.Popen) -> None:
 
 def kite_stack(args, log_dir: Path, num_workers: int = 1,
                services: tuple[str, ...] = ("fingerprinter", "ru-pool", "gateway"),
-               worker_envs: list[dict[str, str]] | None = None) -> LocalStack:
+               worker_envs: list[dict[str, str]] | None = None, env: dict[str, str] | None = None) -> LocalStack:
     """KITE on vLLM with plain_vllm's engine flags; `args.threads` (if set) model threads per worker,
-    `worker_envs` each worker's own settings. Returns once the gateway is healthy (one worker up)."""
+    `worker_envs` each worker's own settings, `env` settings of every service over these defaults.
+    Returns once the gateway is healthy (one worker up)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {"KITE_ENGINE": "vllm", "KITE_VLLM_ENFORCE_EAGER": "on" if args.eager else "off",
            "KITE_VLLM_KV_CACHE_GIB": f"{args.kv_gib:g}", "KITE_BLOCK_SIZE": str(args.block_size),
-           "KITE_COLD_DIR": str(log_dir / "cold"), "KITE_WORKER_WRITE_POLICY": "write_through"}
+           "KITE_COLD_DIR": str(log_dir / "cold"), "KITE_WORKER_WRITE_POLICY": "write_through", **(env or {})}
     if getattr(args, "threads", 0):
         env["KITE_WORKER_NUM_THREADS"] = str(args.threads)
     stack = LocalStack(StackOptions(num_workers=num_workers, env=env, log_dir=log_dir / "kite",

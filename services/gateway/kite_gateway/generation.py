@@ -3,12 +3,16 @@
 Shared by the HTTP and gRPC front ends (each only translates its protocol to `GenerationParams` and the
 events back). Boundary: knows NATS subjects and messages, and the `Fleet` (heartbeats); nothing of HTTP.
 
-    open()   subscribes to the per-request stream subject *before* asking, then asks the fingerprinter
+    open()   opens an inbox for the per-request stream subject *before* asking, then asks the fingerprinter
              (request/reply). No fingerprinter -> NoRespondersError -> ApiError 503 at once; a refusal
              (bad prompt, no worker, overloaded) -> ApiError with the mapped status.
     events() yields TokenChunk / StreamEnd; fails with ApiError when the worker reports an error, when
              its heartbeats stop (it died), or when the stream is silent for the idle timeout.
-    close()  unsubscribes; if the stream did not finish (client went away) tells workers to cancel.
+    close()  closes the inbox; if the stream did not finish (client went away) tells workers to cancel.
+
+Stream events reach the gateway through one subscription to all of its stream subjects (`StreamInboxes`),
+which hands each to the queue of the request it names: a subscription per request cost a SUB and an UNSUB
+on the wire per request, and nats-py's `next_msg` a task, a timer and a uuid per event (issue 38).
 
 Request migration (as Dynamo does): when the serving worker dies (its heartbeats stop), the stream is
 silent for the idle timeout, or stream events were lost, `events()` re-submits the request, under a new
@@ -85,7 +89,7 @@ class Generation:
     request_id: str  # of the current attempt (a migration opens a new one)
     worker_id: str  # serving the current attempt
     prompt_tokens: int  # of the original prompt
-    _subscription: object
+    _inbox: "asyncio.Queue"  # the current attempt's stream events (StreamInboxes)
     params: "GenerationParams | None" = None  # needed to migrate; None disables migration
     _span: object = None  # the gateway's trace span of the whole generation (all attempts); close() ends it
     _started: float = field(default_factory=time.monotonic)
@@ -114,8 +118,8 @@ class Generation:
         idle_deadline = time.monotonic() + first_timeout
         while True:
             try:
-                msg = await self._subscription.next_msg(timeout=_LIVENESS_POLL_S)
-            except NatsTimeoutError:
+                msg = self._inbox.get_nowait() if not self._inbox.empty() else await _next(self._inbox)
+            except TimeoutError:
                 if not self.client.fleet.is_alive("worker", self.worker_id):
                     raise _Migratable(ErrorInfo(
                         code="worker_lost", message="The worker serving this request stopped responding"))
@@ -171,7 +175,7 @@ class Generation:
                     old_request, old_worker, reason.message, len(resumed), self.migrations,
                     self.client.max_migrations)
         try:
-            request_id, subscription, admission = await self.client._admit(
+            request_id, inbox, admission = await self.client._admit(
                 self.params, resume_token_ids=resumed,
                 timeout_s=min(self.client.admit_timeout_s, _MIGRATION_ADMIT_TIMEOUT_S), span=self._span)
         except ApiError as exc:
@@ -182,7 +186,7 @@ class Generation:
                 message=f"{reason.message}; continuing on another worker failed: {exc.message}")) from None
         MIGRATIONS.labels("ok").inc()
         log.info("request %s continues as %s on %s", old_request, request_id, admission.worker_id)
-        self.request_id, self.worker_id, self._subscription = request_id, admission.worker_id, subscription
+        self.request_id, self.worker_id, self._inbox = request_id, admission.worker_id, inbox
         self._resumed = len(resumed)
         self._finished = False
 
@@ -191,10 +195,7 @@ class Generation:
         return None if self.first_token_at is None else self.first_token_at - self._started
 
     async def _close_attempt(self) -> None:
-        try:
-            await self._subscription.unsubscribe()
-        except Exception as exc:  # connection closing, or already unsubscribed
-            log.debug("unsubscribe failed: %s", exc)
+        self.client.streams.close(self.request_id)
         if not self._finished:
             self._finished = True  # cancel once per attempt
             try:
@@ -210,6 +211,45 @@ class Generation:
             self._span = None
 
 
+async def _next(inbox: asyncio.Queue):
+    """The next event, or TimeoutError after _LIVENESS_POLL_S (a timer, no task: this runs per token)."""
+    async with asyncio.timeout(_LIVENESS_POLL_S):
+        return await inbox.get()
+
+
+class StreamInboxes:
+    """One subscription to every stream subject of this gateway (`subjects.stream_wildcard`), made at the
+    first request; each event goes to the queue of the request id its subject names. Events of a request
+    with no open inbox (it closed: cancelled, migrated, finished) are dropped."""
+
+    def __init__(self, nc: NATS, gateway_id: str) -> None:
+        self.nc = nc
+        self.gateway_id = gateway_id
+        self._inboxes: dict[str, asyncio.Queue] = {}
+        self._subscription = None
+        self._subscribing = asyncio.Lock()
+
+    async def open(self, request_id: str) -> tuple[str, asyncio.Queue]:
+        """(the request's stream subject, its inbox). The subscription is sent before this returns, so it
+        reaches the server before anything the caller publishes next on the same connection."""
+        if self._subscription is None:
+            async with self._subscribing:
+                if self._subscription is None:
+                    self._subscription = await self.nc.subscribe(subjects.stream_wildcard(self.gateway_id),
+                                                                 cb=self._deliver)
+        inbox: asyncio.Queue = asyncio.Queue()
+        self._inboxes[request_id] = inbox
+        return subjects.stream(self.gateway_id, request_id), inbox
+
+    def close(self, request_id: str) -> None:
+        self._inboxes.pop(request_id, None)
+
+    async def _deliver(self, msg) -> None:
+        inbox = self._inboxes.get(msg.subject.rpartition(".")[2])
+        if inbox is not None:
+            inbox.put_nowait(msg)
+
+
 @dataclass
 class GenerationClient:
     nc: NATS
@@ -222,6 +262,10 @@ class GenerationClient:
     # the idle timeout allows between events; None = the idle timeout.
     first_event_timeout_s: float | None = None
     admission: object | None = None  # control.AdmissionGate (issue 5): early 503 while the arbitrator sheds
+    streams: StreamInboxes = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.streams = StreamInboxes(self.nc, self.gateway_id)
 
     async def open(self, params: GenerationParams) -> Generation:
         if self.admission is not None:
@@ -229,7 +273,7 @@ class GenerationClient:
         span = tracer().start_span("kite.gateway.generate", kind=SpanKind.CLIENT,
                                    attributes={"kite.model": params.model})
         try:
-            request_id, subscription, admission = await self._admit(params, span=span)
+            request_id, inbox, admission = await self._admit(params, span=span)
         except BaseException as exc:
             span.record_exception(exc)
             span.end()
@@ -237,17 +281,16 @@ class GenerationClient:
         span.set_attribute("kite.request_id", request_id)
         span.set_attribute("kite.worker", admission.worker_id)
         return Generation(client=self, request_id=request_id, worker_id=admission.worker_id,
-                          prompt_tokens=admission.prompt_tokens, _subscription=subscription, params=params,
+                          prompt_tokens=admission.prompt_tokens, _inbox=inbox, params=params,
                           _span=span)
 
     async def _admit(self, params: GenerationParams, resume_token_ids: list[int] | None = None,
-                     timeout_s: float | None = None, span=None) -> tuple[str, object, Admission]:
-        """Subscribe to a new stream subject, ask the fingerprinter; (request id, subscription, admission).
+                     timeout_s: float | None = None, span=None) -> tuple[str, asyncio.Queue, Admission]:
+        """Open an inbox for a new stream subject, ask the fingerprinter; (request id, inbox, admission).
         `span`'s trace context travels in the request headers, so every service joins the same trace."""
         request_id = uuid.uuid4().hex
         request_id_var.set(request_id)
-        stream_subject = subjects.stream(self.gateway_id, request_id)
-        subscription = await self.nc.subscribe(stream_subject)
+        stream_subject, inbox = await self.streams.open(request_id)
         request = GenerateRequest(
             request_id=request_id, model=params.model, messages=params.messages, prompt=params.prompt,
             prompt_token_ids=params.prompt_token_ids, sampling=params.sampling, reuse=params.reuse,
@@ -260,22 +303,22 @@ class GenerationClient:
                                           headers=headers_with_context(span) or None)
             admission = Admission.decode(reply.data)
         except NoRespondersError:
-            await subscription.unsubscribe()
+            self.streams.close(request_id)
             raise ApiError.from_info(ErrorInfo(code="no_fingerprinter", message="No fingerprinter is available"))
         except NatsTimeoutError:
-            await subscription.unsubscribe()
+            self.streams.close(request_id)
             raise ApiError.from_info(ErrorInfo(code="worker_timeout", message="The request was not admitted in time"))
         except MessageError as exc:
-            await subscription.unsubscribe()
+            self.streams.close(request_id)
             log.error("invalid admission reply: %s", exc)
             raise ApiError.from_info(ErrorInfo(code="internal_error", message="invalid admission reply"))
         except BaseException:
-            await subscription.unsubscribe()
+            self.streams.close(request_id)
             raise
         if not admission.accepted:
-            await subscription.unsubscribe()
+            self.streams.close(request_id)
             raise ApiError.from_info(admission.error or ErrorInfo(code="internal_error", message="refused"))
-        return request_id, subscription, admission
+        return request_id, inbox, admission
 
     async def ping(self, service: str, timeout_s: float = 1.0) -> bool:
         from kite_shared.messages import Ping

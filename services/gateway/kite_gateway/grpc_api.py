@@ -187,8 +187,8 @@ class KiteService(kite_pb2_grpc.KiteServicer):
                 try:
                     async for event in generation.events():
                         if deadline.expired():
-                            # Its cancellation was lost: Python 3.11's wait_for (inside nats-py's next_msg)
-                            # can return a message that arrived in the same instant and drop the cancel.
+                            # Its cancellation was lost: on Python 3.11 an await that completes in the
+                            # instant the deadline's cancel arrives (wait_for, a queue) can drop the cancel.
                             raise TimeoutError
                         texts.append(event.text)
                         if isinstance(event, StreamEnd):

@@ -1,0 +1,43 @@
+"""The gateway's stream inboxes (kite_gateway.generation.StreamInboxes) against a real nats-server: one
+subscription carries every request's stream; each event reaches the inbox of the request its subject names;
+events of a closed request are dropped."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+
+from kite_shared import subjects
+from kite_gateway.generation import StreamInboxes
+
+
+async def test_one_subscription_routes_each_request_s_events_to_its_inbox(nats_server):
+    gateway_nc = await nats.connect(nats_server.url)
+    worker_nc = await nats.connect(nats_server.url)
+    try:
+        inboxes = StreamInboxes(gateway_nc, "gw_1")
+        subject_a, inbox_a = await inboxes.open("a")
+        subject_b, inbox_b = await inboxes.open("b")
+        assert (subject_a, subject_b) == (subjects.stream("gw_1", "a"), subjects.stream("gw_1", "b"))
+        assert len(gateway_nc._subs) == 1  # one SUB for every request of this gateway
+        await gateway_nc.flush()
+        for subject, data in [(subject_a, b"a0"), (subject_b, b"b0"), (subject_a, b"a1"),
+                              (subjects.stream("gw_2", "a"), b"another gateway's")]:
+            await worker_nc.publish(subject, data)
+        await worker_nc.flush()
+        got_a = [(await asyncio.wait_for(inbox_a.get(), 5)).data for _ in range(2)]
+        got_b = (await asyncio.wait_for(inbox_b.get(), 5)).data
+        assert (got_a, got_b) == ([b"a0", b"a1"], b"b0")
+
+        inboxes.close("a")
+        await worker_nc.publish(subject_a, b"late")
+        await worker_nc.publish(subject_b, b"b1")
+        await worker_nc.flush()
+        assert (await asyncio.wait_for(inbox_b.get(), 5)).data == b"b1"
+        assert inbox_a.empty()  # the closed request's event went nowhere
+        _, inbox_c = await inboxes.open("c")
+        assert len(gateway_nc._subs) == 1 and inbox_c.empty()
+    finally:
+        await gateway_nc.close()
+        await worker_nc.close()
