@@ -8,6 +8,7 @@ never a timeout):
 
     gateway --FINGERPRINT--> fingerprinter --WORKER_GENERATE--> worker
     worker  --stream_subject(gateway, request)--> gateway          (token chunks, then end or error)
+    worker  --stream_batch(gateway)--> gateway                     (the same, several requests' at once)
 
 TABLE says, for each subject (or the pattern of a per-instance one, `<name>` standing for one token): the
 message it carries, the reply (None: published, nobody answers), the queue group of its subscribers and who
@@ -29,8 +30,8 @@ from kite_shared.messages import (
     ArbitratorAdminRequest, ArbitratorTelemetry, Cancel, Decision, ErrorInfo, FingerprinterTelemetry,
     GatewayTelemetry, GenerateRequest, Heartbeat, Message, ModelFingerprintChanged, OneOf, Ping, PoolAdminReply,
     PoolAdminRequest, PoolGetReply, PoolGetRequest, PoolIndexChanges, PoolLookupReply, PoolLookupRequest,
-    PoolTelemetry, Pong, ShadowCheckResult, TierHits, TokenizedRequest, WorkerCachesReply, WorkerCachesRequest,
-    WorkerTelemetry,
+    PoolTelemetry, Pong, ShadowCheckResult, StreamBatch, TierHits, TokenizedRequest, WorkerCachesReply,
+    WorkerCachesRequest, WorkerTelemetry,
 )
 
 PREFIX = "kite.v1"
@@ -85,6 +86,11 @@ def stream(gateway_id: str, request_id: str) -> str:
 def stream_wildcard(gateway_id: str) -> str:
     """Every request's stream subject of one gateway (its one subscription to them all)."""
     return f"{PREFIX}.stream.{_token(gateway_id)}.*"
+
+
+def stream_batch(gateway_id: str) -> str:
+    """Where workers send one gateway the stream events of several of its requests in one StreamBatch."""
+    return f"{PREFIX}.stream_batch.{_token(gateway_id)}"
 
 
 def _token(part: str) -> str:
@@ -195,6 +201,9 @@ TABLE: tuple[SubjectSpec, ...] = (
                 route="gateway -> every worker: stop generating a request whose client went away"),
     SubjectSpec(f"{PREFIX}.stream.<gateway>.<request>", STREAM_EVENT, None,
                 route="worker -> the gateway that asked (stream): the request's tokens, then its end or error"),
+    SubjectSpec(f"{PREFIX}.stream_batch.<gateway>", StreamBatch, None,
+                route="worker -> a gateway: the stream events of its requests that were ready at once, in order "
+                      "(every event of a request whose GenerateRequest named this subject)"),
     # the ru-pool
     SubjectSpec(POOL_PUT, bytes, None, queue=RU_POOL_QUEUE,
                 route="worker -> one ru-pool replica: an encoded recyclable unit (kite_shared.recyclable_unit)"),

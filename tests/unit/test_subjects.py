@@ -16,7 +16,7 @@ from kite_shared.messages import (
     ArbitratorTelemetry, BlockRemoved, BlockStored, Cancel, ChatMessage, Decision, ErrorInfo, FingerprinterTelemetry,
     GatewayTelemetry, GenerateRequest, Heartbeat, IndexChange, Message, ModelFingerprintChanged, OneOf, Ping,
     PoolAdminReply, PoolAdminRequest, PoolGetReply, PoolGetRequest, PoolIndexChanges, PoolLookupReply,
-    PoolLookupRequest, PoolTelemetry, Pong, RoutingWeights, SamplingParams, ShadowCheckResult, StreamEnd,
+    PoolLookupRequest, PoolTelemetry, Pong, RoutingWeights, SamplingParams, ShadowCheckResult, StreamBatch, StreamEnd,
     StreamError, TierHits, TierStats, TokenChunk, TokenizedRequest, Usage, WorkerCache, WorkerCachesReply,
     WorkerCachesRequest, WorkerTelemetry,
 )
@@ -36,6 +36,7 @@ SAMPLES: dict[type[Message], Message] = {m.__class__: m for m in (
     Admission(accepted=True, worker_id="w1", prompt_tokens=3),
     Cancel(request_id="r1"),
     TokenChunk(request_id="r1", seq=0, token_ids=[7], text="a"),
+    StreamBatch(request_ids=["r1", "r2"], events=[b"an encoded event", b"another"]),
     StreamEnd(request_id="r1", seq=1, finish_reason="stop", usage=Usage(prompt_tokens=3, completion_tokens=1,
                                                                          cached_tokens=2)),
     StreamError(request_id="r1", seq=1, error=ErrorInfo(code="overloaded", message="busy")),

@@ -14,8 +14,8 @@ import pytest
 from kite_shared import subjects
 from kite_shared.config import CommonConfig, WorkerConfig, load
 from kite_shared.endpoints import Endpoint
-from kite_shared.messages import (Admission, Cancel, SamplingParams, StreamEnd, TokenChunk, TokenizedRequest,
-                                  Usage, WorkerTelemetry)
+from kite_shared.messages import (STREAM_EVENT, Admission, Cancel, SamplingParams, StreamBatch, StreamEnd, TokenChunk,
+                                  TokenizedRequest, Usage, WorkerTelemetry)
 from kite_shared.service import ServiceRuntime
 from kite_worker.engines.base import EngineLoad, RequestRejected
 from kite_worker.service import LoadedModel, WorkerService
@@ -114,11 +114,11 @@ async def worker() -> WorkerService:
     return service
 
 
-def request(request_id: str) -> bytes:
+def request(request_id: str, batch_subject: str = "") -> bytes:
     return TokenizedRequest(request_id=request_id, model="m", prompt_token_ids=[1, 2, 3],
                             sampling=SamplingParams(max_tokens=4), reuse=True, model_fingerprint="ab" * 32,
-                            block_size=16, block_hashes=[], stream_subject="kite.v1.stream.g.r",
-                            created_at=0.0).encode()
+                            block_size=16, block_hashes=[], stream_subject=subjects.stream("g", request_id),
+                            stream_batch_subject=batch_subject, created_at=0.0).encode()
 
 
 async def admit(worker: WorkerService, data: bytes) -> Admission:
@@ -148,18 +148,36 @@ async def test_a_streams_last_event_follows_telemetry_even_when_telemetry_fails(
     end = StreamEnd(request_id="r1", seq=1, finish_reason="length",
                     usage=Usage(prompt_tokens=3, completion_tokens=1))
     worker._emit_from_engine("s", TokenChunk(request_id="r1", seq=0, token_ids=[5], text="x"))
+    await worker.publish_stream_events()
     worker._emit_from_engine("s", end)
-    await asyncio.sleep(0)  # the hand-over is scheduled on the loop
-    await worker.publish_next_stream_event()
-    await worker.publish_next_stream_event()
+    await worker.publish_stream_events()
     assert [s for s, _ in bus.published] == ["s", subjects.telemetry("worker"), "s"]
     assert WorkerTelemetry.decode(bus.published[1][1]).instance_id == "w1"
     bus.fail_telemetry = True
     worker._emit_from_engine("s", end)
-    await asyncio.sleep(0)
     with pytest.raises(RuntimeError):  # reported by the runtime's loop ...
-        await worker.publish_next_stream_event()
+        await worker.publish_stream_events()
     assert bus.published[-1][0] == "s" and worker._unsent == 0  # ... and the stream still ends
+
+
+async def test_events_ready_at_once_go_to_each_gateway_in_one_batch_in_order(worker):
+    bus = worker.rt.nc
+    batch_g1, batch_g2 = subjects.stream_batch("g1"), subjects.stream_batch("g2")
+    for request_id, batch_subject in [("a", batch_g1), ("b", batch_g2), ("c", batch_g1), ("old", "")]:
+        assert (await admit(worker, request(request_id, batch_subject))).accepted
+    bus.published.clear()
+    step = [TokenChunk(request_id=r, seq=0, token_ids=[5], text="x") for r in ("a", "b", "c", "old")]
+    for event in step + [StreamEnd(request_id="a", seq=1, finish_reason="stop",
+                                   usage=Usage(prompt_tokens=3, completion_tokens=1))]:
+        worker._emit_from_engine(subjects.stream("g", event.request_id), event)
+    await worker.publish_stream_events()  # everything ready goes in one round
+    assert [s for s, _ in bus.published] == [subjects.telemetry("worker"), subjects.stream("g", "old"),
+                                            batch_g1, batch_g2]
+    g1 = StreamBatch.decode(bus.published[2][1])
+    assert g1.request_ids == ["a", "c", "a"]
+    assert [STREAM_EVENT.decode(e).seq for e in g1.events] == [0, 0, 1]  # each request's events in order
+    assert StreamBatch.decode(bus.published[3][1]).request_ids == ["b"]
+    assert "a" not in worker._batch_subjects and worker._unsent == 0  # its stream ended
 
 
 async def test_drain_leaves_first_and_cancels_everything_once_the_bus_is_gone(worker):

@@ -70,6 +70,7 @@ class Fingerprinter:
             reuse=request.reuse, cache_salt=request.cache_salt, tenant=request.tenant,
             model_fingerprint=identity.fingerprint_hex, adapter=adapter, block_size=self.block_size,
             block_hashes=[bytes(h) for h in hashes], stream_subject=request.stream_subject,
+            stream_batch_subject=request.stream_batch_subject,
             created_at=request.created_at, num_resumed_tokens=len(resumed),
             session_id=request.session_id)
 

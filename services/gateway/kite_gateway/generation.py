@@ -10,9 +10,11 @@ events back). Boundary: knows NATS subjects and messages, and the `Fleet` (heart
              its heartbeats stop (it died), or when the stream is silent for the idle timeout.
     close()  closes the inbox; if the stream did not finish (client went away) tells workers to cancel.
 
-Stream events reach the gateway through one subscription to all of its stream subjects (`StreamInboxes`),
-which hands each to the queue of the request it names: a subscription per request cost a SUB and an UNSUB
-on the wire per request, and nats-py's `next_msg` a task, a timer and a uuid per event (issue 38).
+Stream events reach the gateway through one subscription to all of its stream subjects and one to its
+batch subject (`StreamInboxes`), which hand each event to the queue of the request it names: a
+subscription per request cost a SUB and an UNSUB on the wire per request, and nats-py's `next_msg` a task,
+a timer and a uuid per event; a batch carries one engine step's tokens of every request in one message
+(issue 38).
 
 Request migration (as Dynamo does): when the serving worker dies (its heartbeats stop), the stream is
 silent for the idle timeout, or stream events were lost, `events()` re-submits the request, under a new
@@ -38,8 +40,8 @@ from kite_shared import subjects
 from prometheus_client import Counter
 
 from kite_shared.messages import (Admission, Cancel, ChatMessage, ErrorInfo, GenerateRequest, MessageError,
-                                  SamplingParams, StreamEnd, StreamError, TokenChunk, Usage,
-                                  STREAM_EVENT)
+                                  SamplingParams, StreamBatch, StreamEnd, StreamError, TokenChunk, Usage,
+                                  STREAM_EVENT, decode_or_log)
 from kite_shared.security import ANONYMOUS_TENANT
 from kite_shared.service import request_id_var
 from kite_shared.tracing import SpanKind, headers_with_context, tracer
@@ -89,7 +91,7 @@ class Generation:
     request_id: str  # of the current attempt (a migration opens a new one)
     worker_id: str  # serving the current attempt
     prompt_tokens: int  # of the original prompt
-    _inbox: "asyncio.Queue"  # the current attempt's stream events (StreamInboxes)
+    _inbox: "asyncio.Queue[bytes]"  # the current attempt's encoded stream events (StreamInboxes)
     params: "GenerationParams | None" = None  # needed to migrate; None disables migration
     _span: object = None  # the gateway's trace span of the whole generation (all attempts); close() ends it
     _started: float = field(default_factory=time.monotonic)
@@ -118,7 +120,7 @@ class Generation:
         idle_deadline = time.monotonic() + first_timeout
         while True:
             try:
-                msg = self._inbox.get_nowait() if not self._inbox.empty() else await _next(self._inbox)
+                data = self._inbox.get_nowait() if not self._inbox.empty() else await _next(self._inbox)
             except TimeoutError:
                 if not self.client.fleet.is_alive("worker", self.worker_id):
                     raise _Migratable(ErrorInfo(
@@ -133,7 +135,7 @@ class Generation:
                 continue
             idle_deadline = time.monotonic() + self.client.stream_idle_timeout_s
             try:
-                event = STREAM_EVENT.decode(msg.data)
+                event = STREAM_EVENT.decode(data)
             except MessageError as exc:
                 log.error("invalid stream event for %s: %s", self.request_id, exc)
                 raise ApiError.from_info(ErrorInfo(code="internal_error", message="invalid stream event"))
@@ -211,33 +213,37 @@ class Generation:
             self._span = None
 
 
-async def _next(inbox: asyncio.Queue):
+async def _next(inbox: asyncio.Queue[bytes]) -> bytes:
     """The next event, or TimeoutError after _LIVENESS_POLL_S (a timer, no task: this runs per token)."""
     async with asyncio.timeout(_LIVENESS_POLL_S):
         return await inbox.get()
 
 
 class StreamInboxes:
-    """One subscription to every stream subject of this gateway (`subjects.stream_wildcard`), made at the
-    first request; each event goes to the queue of the request id its subject names. Events of a request
-    with no open inbox (it closed: cancelled, migrated, finished) are dropped."""
+    """One subscription to every stream subject of this gateway (`subjects.stream_wildcard`) and one to its
+    batch subject (`subjects.stream_batch`), made at the first request; each event goes to the queue of
+    the request it names (by its subject, or by its place in a StreamBatch). A worker sends every event of
+    a request through one of the two, so a request's events arrive in order. Events of a request with no
+    open inbox (it closed: cancelled, migrated, finished) are dropped."""
 
     def __init__(self, nc: NATS, gateway_id: str) -> None:
         self.nc = nc
         self.gateway_id = gateway_id
-        self._inboxes: dict[str, asyncio.Queue] = {}
-        self._subscription = None
+        self.batch_subject = subjects.stream_batch(gateway_id)
+        self._inboxes: dict[str, asyncio.Queue[bytes]] = {}
+        self._subscribed = False
         self._subscribing = asyncio.Lock()
 
-    async def open(self, request_id: str) -> tuple[str, asyncio.Queue]:
-        """(the request's stream subject, its inbox). The subscription is sent before this returns, so it
-        reaches the server before anything the caller publishes next on the same connection."""
-        if self._subscription is None:
+    async def open(self, request_id: str) -> tuple[str, asyncio.Queue[bytes]]:
+        """(the request's stream subject, its inbox). The subscriptions are sent before this returns, so
+        they reach the server before anything the caller publishes next on the same connection."""
+        if not self._subscribed:
             async with self._subscribing:
-                if self._subscription is None:
-                    self._subscription = await self.nc.subscribe(subjects.stream_wildcard(self.gateway_id),
-                                                                 cb=self._deliver)
-        inbox: asyncio.Queue = asyncio.Queue()
+                if not self._subscribed:
+                    await self.nc.subscribe(subjects.stream_wildcard(self.gateway_id), cb=self._deliver)
+                    await self.nc.subscribe(self.batch_subject, cb=self._deliver_batch)
+                    self._subscribed = True
+        inbox: asyncio.Queue[bytes] = asyncio.Queue()
         self._inboxes[request_id] = inbox
         return subjects.stream(self.gateway_id, request_id), inbox
 
@@ -247,7 +253,17 @@ class StreamInboxes:
     async def _deliver(self, msg) -> None:
         inbox = self._inboxes.get(msg.subject.rpartition(".")[2])
         if inbox is not None:
-            inbox.put_nowait(msg)
+            inbox.put_nowait(msg.data)
+
+    async def _deliver_batch(self, msg) -> None:
+        batch = decode_or_log(StreamBatch.decode, msg.data, log, "invalid stream batch on %s", msg.subject,
+                              level=logging.ERROR)
+        if batch is None:  # its requests' streams then stop and migrate, as for any lost event
+            return
+        for request_id, data in zip(batch.request_ids, batch.events):
+            inbox = self._inboxes.get(request_id)
+            if inbox is not None:
+                inbox.put_nowait(data)
 
 
 @dataclass
@@ -295,6 +311,7 @@ class GenerationClient:
             request_id=request_id, model=params.model, messages=params.messages, prompt=params.prompt,
             prompt_token_ids=params.prompt_token_ids, sampling=params.sampling, reuse=params.reuse,
             cache_salt=params.cache_salt, tenant=params.tenant, stream_subject=stream_subject,
+            stream_batch_subject=self.streams.batch_subject,
             session_id=params.session_id,
             resume_token_ids=resume_token_ids or [])
         try:

@@ -57,7 +57,7 @@ async def start_worker(rt: ServiceRuntime, loaded: LoadedModel, cfg: WorkerConfi
     )
     # Rounds that wait for their own work (a message due, a stream event, a block), run until shutdown.
     rt.every(0, worker.control.publish_when_due, "worker telemetry")
-    rt.every(0, worker.publish_next_stream_event, "publishing stream events")
+    rt.every(0, worker.publish_stream_events, "publishing stream events")
     for engine_round, name in loaded.engine.rounds():
         rt.every(0, engine_round, name)
     rt.on_drain(worker.drain)

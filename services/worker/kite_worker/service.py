@@ -4,7 +4,9 @@ Its handlers take decoded requests and return replies (the entrypoint's handler 
 serves them as kite_shared.endpoints.Endpoint): `generate` admits a TokenizedRequest (the Admission goes
 back at once, generation goes on in the engine) or refuses it by raising Refusal (draining, overloaded,
 fingerprint mismatch, ...); `cancel` stops one. Stream events cross from the engine to one publisher round
-(`publish_next_stream_event`) that keeps each stream in order.
+(`publish_stream_events`) that keeps each stream in order and sends a gateway every event ready at once in
+one StreamBatch when the request named a batch subject (one engine step yields a token of every running
+request: one message instead of one each).
 
 The engine is whichever KITE_ENGINE named (kite_worker.engines.create_engine), driven through the contract
 alone (kite_worker.engines.base.Engine): this module never asks which engine runs; how each reads and
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -34,7 +37,7 @@ from kite_shared.adapters import Adapter
 from kite_shared.config import WorkerConfig
 from kite_shared.endpoints import Endpoint, Refusal
 from kite_shared.messages import (AdapterAdminReply, AdapterAdminRequest, Admission, Cancel, ErrorInfo, Message,
-                                  ShadowCheckResult, StreamEnd, StreamError, TokenizedRequest)
+                                  ShadowCheckResult, StreamBatch, StreamEnd, StreamError, TokenizedRequest)
 from kite_shared.service import ServiceRuntime, nats_auth_options
 from kite_shared.tiers.pool_client import PoolClient
 from kite_shared.tracing import tracer, use_span
@@ -81,6 +84,7 @@ class WorkerService:
         self.cfg = cfg
         self.engine = loaded.engine
         self.loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self.writes = WritePolicyFilter(cfg.write_policy)
         # A TLS block stream is verified like NATS: with the cluster's CA (KITE_NATS_TLS_CA).
         self.pool = PoolClient(rt.nc, worker_id=rt.instance_id, stream_ssl=nats_auth_options(rt.common).get("tls"),
@@ -91,7 +95,9 @@ class WorkerService:
         self._subscriptions: list[Subscription] = []  # theirs, while taking requests
         self._tasks: set[asyncio.Task] = set()  # shadow-result publishes, held until done
         self._spans: dict[str, object] = {}  # request id -> its generation's trace span, until its stream ends
-        self._events: asyncio.Queue[tuple[str, bytes, bool]] = asyncio.Queue()  # (subject, data, ends stream)
+        # (request id, its subject, encoded event, ends the stream), in the order the engine made them
+        self._events: asyncio.Queue[tuple[str, str, bytes, bool]] = asyncio.Queue()
+        self._batch_subjects: dict[str, str] = {}  # request id -> its gateway's batch subject, while streaming
         self._unsent = 0  # stream events handed over and not yet published
         self._last_reused = 0
         self._last_computed = 0
@@ -179,6 +185,8 @@ class WorkerService:
             trace.get_current_span().set_attribute("kite.rejected", exc.code)
             raise Refusal(ErrorInfo(code=exc.code, message=str(exc))) from None
         REQUESTS.labels("accepted").inc()
+        if request.stream_batch_subject:
+            self._batch_subjects[request.request_id] = request.stream_batch_subject
         self.control.accepted()
         # The generation's span (a child of the admission's) ends when its last stream event is published;
         # the pool lookups it makes are its children (PoolClient sends the current context).
@@ -267,27 +275,49 @@ class WorkerService:
                     span.set_attribute("kite.cached_tokens", message.usage.cached_tokens)
                     span.set_attribute("kite.completion_tokens", message.usage.completion_tokens)
                 span.end()
-        self.loop.call_soon_threadsafe(self._hand_over, (subject, message.encode(), ends))
+        event = (message.request_id, subject, message.encode(), ends)
+        if threading.get_ident() == self._loop_thread:
+            self._hand_over(event)  # vLLM's engine emits on the event loop: no wake-up through its pipe
+        else:
+            self.loop.call_soon_threadsafe(self._hand_over, event)
 
-    def _hand_over(self, event: tuple[str, bytes, bool]) -> None:
+    def _hand_over(self, event: tuple[str, str, bytes, bool]) -> None:
         self._unsent += 1
         self._events.put_nowait(event)
 
-    async def publish_next_stream_event(self) -> None:
+    async def publish_stream_events(self) -> None:
         """One round of the stream publisher, which the runtime runs until shutdown: one consumer keeps each
-        stream's events in order. A stream's last event follows a telemetry message (issue 5: routers see
-        the freed slot before the client can send its next turn), and goes out even if that one fails."""
-        subject, data, ends = await self._events.get()
+        stream's events in order. It takes every event ready, and sends those of requests whose gateway
+        takes batches in one StreamBatch per gateway, the others one message each. Streams that end follow
+        a telemetry message (issue 5: routers see the freed slot before the client can send its next
+        turn), and go out even if that one fails."""
+        ready = [await self._events.get()]
+        while not self._events.empty():
+            ready.append(self._events.get_nowait())
         try:
-            if ends:
+            if any(ends for *_, ends in ready):
                 try:
                     await self.control.publish()
                 finally:
-                    await self.rt.nc.publish(subject, data)
+                    await self._publish_events(ready)
             else:
-                await self.rt.nc.publish(subject, data)
+                await self._publish_events(ready)
         finally:
-            self._unsent -= 1
+            self._unsent -= len(ready)
+
+    async def _publish_events(self, ready: list[tuple[str, str, bytes, bool]]) -> None:
+        batches: dict[str, tuple[list[str], list[bytes]]] = {}  # batch subject -> (request ids, events)
+        for request_id, subject, data, ends in ready:
+            batch_subject = (self._batch_subjects.pop(request_id, "") if ends
+                             else self._batch_subjects.get(request_id, ""))
+            if not batch_subject:
+                await self.rt.nc.publish(subject, data)
+                continue
+            request_ids, events = batches.setdefault(batch_subject, ([], []))
+            request_ids.append(request_id)
+            events.append(data)
+        for batch_subject, (request_ids, events) in batches.items():
+            await self.rt.nc.publish(batch_subject, StreamBatch(request_ids=request_ids, events=events).encode())
 
     async def drain(self) -> None:
         """Finish in-flight requests (new ones are refused while draining), then stop the engine."""

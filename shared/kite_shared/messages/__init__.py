@@ -14,7 +14,7 @@ from kite_shared.messages.base import (  # noqa: F401
     SCHEMA_VERSION, MessageError, Message, decode_or_log, OneOf)
 from kite_shared.messages.requests import (  # noqa: F401
     ChatMessage, SamplingParams, ErrorInfo, GenerateRequest, TokenizedRequest, Admission, Cancel, Usage,
-    TokenChunk, StreamEnd, StreamError, StreamEvent, STREAM_EVENT)
+    TokenChunk, StreamEnd, StreamError, StreamEvent, STREAM_EVENT, StreamBatch)
 from kite_shared.messages.pool import (  # noqa: F401
     BlockStored, BlockRemoved, BLOCK_EVENT, ModelFingerprintChanged, PoolLookupRequest, PoolLookupReply,
     PoolGetRequest, PoolGetReply, PoolAdminRequest, TierStats, TenantUsage, NamespaceStats, PoolAdminReply, IndexChange,
