@@ -185,8 +185,6 @@ class WorkerService:
             trace.get_current_span().set_attribute("kite.rejected", exc.code)
             raise Refusal(ErrorInfo(code=exc.code, message=str(exc))) from None
         REQUESTS.labels("accepted").inc()
-        if request.stream_batch_subject:
-            self._batch_subjects[request.request_id] = request.stream_batch_subject
         self.control.accepted()
         # The generation's span (a child of the admission's) ends when its last stream event is published;
         # the pool lookups it makes are its children (PoolClient sends the current context).
@@ -194,6 +192,8 @@ class WorkerService:
         self._spans[request.request_id] = span
         with use_span(span):
             self.engine.submit(reserved)
+        if request.stream_batch_subject:  # read when its events are published, on this loop: after this returns
+            self._batch_subjects[request.request_id] = request.stream_batch_subject
         return Admission(accepted=True, worker_id=self.rt.instance_id, prompt_tokens=len(request.prompt_token_ids))
 
     async def cancel(self, cancel: Cancel) -> None:
