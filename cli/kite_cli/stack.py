@@ -40,6 +40,17 @@ SERVICE_MODULES = {
 }
 
 
+def default_threads(num_workers: int, num_cores: int) -> int:
+    """Each worker's share of the cores, at least one thread."""
+    return max(1, num_cores // num_workers)
+
+
+def core_sets(num_workers: int, threads: int, num_cores: int) -> list[str]:
+    """Worker i's cores (VLLM_CPU_OMP_THREADS_BIND), `threads` each, dealt out in turn and wrapping round
+    when the workers want more cores than there are."""
+    return [",".join(str((i * threads + k) % num_cores) for k in range(threads)) for i in range(num_workers)]
+
+
 @dataclass
 class StackOptions:
     # 0 = a free port; None = the KITE_GATEWAY_HTTP_PORT / _GRPC_PORT / _HOST settings (`kite run`), where
@@ -197,7 +208,24 @@ class LocalStack:
 
     def start_worker(self, extra_env: dict[str, str] | None = None) -> ServiceProcess:
         self._worker_count += 1
-        return self.start_service("worker", extra_env, instance_id=f"worker-{self._worker_count}")
+        env = {**self.worker_cores(self._worker_count - 1, extra_env or {}), **(extra_env or {})}
+        return self.start_service("worker", env, instance_id=f"worker-{self._worker_count}")
+
+    def worker_cores(self, index: int, extra_env: dict[str, str]) -> dict[str, str]:
+        """Worker `index`'s (0-based) share of this host's cores, when the stack runs several workers and
+        nothing set their threads or binding (the caller's environment, StackOptions.env, `extra_env`):
+        KITE_WORKER_NUM_THREADS = the cores shared out, and vLLM-CPU's VLLM_CPU_OMP_THREADS_BIND = its own
+        cores. vLLM's default binding (`auto`) runs every engine's threads on every core whatever the
+        thread count says: two engines on 2 cores then ran four spinning threads, and 4 concurrent
+        requests went from 1.0-1.5 req/s to 0.11 (docs/benchmarks.md, "A fleet against vllm-router")."""
+        chosen = {**os.environ, **self.options.env, **extra_env}
+        if self.options.num_workers < 2 or "VLLM_CPU_OMP_THREADS_BIND" in chosen:
+            return {}
+        num_cores = os.cpu_count() or 1
+        threads = int(chosen.get("KITE_WORKER_NUM_THREADS") or 0) or default_threads(self.options.num_workers,
+                                                                                       num_cores)
+        cores = core_sets(self.options.num_workers, threads, num_cores)[index % self.options.num_workers]
+        return {"KITE_WORKER_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": cores}
 
     def start_pool_replica(self, extra_env: dict[str, str] | None = None) -> ServiceProcess:
         """One more ru-pool replica. Alone (the default) it is `ru-pool` as before; once the stack runs

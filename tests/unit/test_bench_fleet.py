@@ -158,7 +158,7 @@ def test_each_worker_gets_its_own_cores_the_same_in_both_fleets():
     args = fleet.parse_args(["--workers", "2", "--threads", "1"])
     envs = fleet.worker_envs(args)
     assert [e["VLLM_CPU_OMP_THREADS_BIND"] for e in envs] == fleet.core_sets(2, 1, os.cpu_count())
-    assert fleet.worker_envs(fleet.parse_args(["--cpu-bind", "auto"])) == [{}, {}]
+    assert fleet.worker_envs(fleet.parse_args(["--cpu-bind", "auto"])) == [{"VLLM_CPU_OMP_THREADS_BIND": "auto"}] * 2
 
 
 def test_background_cpu_is_what_a_system_used_while_the_others_ran():

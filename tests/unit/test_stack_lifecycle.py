@@ -142,18 +142,50 @@ def test_kite_run_once_serving_stops_when_another_service_exits(stack, capsys):
     assert "gateway exited with code 1" in capsys.readouterr().err
 
 
-def test_each_worker_the_start_starts_gets_its_own_settings(tmp_path):
-    started: list[tuple[str, dict | None, str | None]] = []
+class RecordingStack(LocalStack):
+    """Records what each service would be started with."""
 
-    class Recording(LocalStack):
-        def start_service(self, name, extra_env=None, instance_id=None, metrics=None):
-            started.append((name, extra_env, instance_id))
+    def __init__(self, options: StackOptions) -> None:
+        super().__init__(options)
+        self.started: list[tuple[str, dict | None, str | None]] = []
 
-    stack = Recording(StackOptions(log_dir=tmp_path, services=("gateway",), num_workers=3,
-                                   worker_envs=[{"VLLM_CPU_OMP_THREADS_BIND": "0"},
-                                                {"VLLM_CPU_OMP_THREADS_BIND": "1"}]))
+    def start_service(self, name, extra_env=None, instance_id=None, metrics=None):
+        self.started.append((name, extra_env, instance_id))
+
+
+@pytest.fixture()
+def four_cores(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "KITE_WORKER_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_each_worker_the_start_starts_gets_its_own_settings(tmp_path, four_cores):
+    stack = RecordingStack(StackOptions(log_dir=tmp_path, services=("gateway",), num_workers=3,
+                                        worker_envs=[{"VLLM_CPU_OMP_THREADS_BIND": "0"},
+                                                     {"VLLM_CPU_OMP_THREADS_BIND": "1"}]))
     stack._start_services(pool_replicas=1, num_workers=3, arbitrators=1)
-    assert started == [("gateway", None, None),
-                       ("worker", {"VLLM_CPU_OMP_THREADS_BIND": "0"}, "worker-1"),
-                       ("worker", {"VLLM_CPU_OMP_THREADS_BIND": "1"}, "worker-2"),
-                       ("worker", None, "worker-3")]  # past the list's end: the common settings only
+    assert stack.started == [
+        ("gateway", None, None),
+        ("worker", {"VLLM_CPU_OMP_THREADS_BIND": "0"}, "worker-1"),
+        ("worker", {"VLLM_CPU_OMP_THREADS_BIND": "1"}, "worker-2"),
+        # past the list's end: its share of the cores (4 // 3 = 1 thread, the third core)
+        ("worker", {"KITE_WORKER_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "2"}, "worker-3")]
+
+
+def test_several_workers_share_the_cores_out_unless_told_otherwise(tmp_path, four_cores, monkeypatch):
+    def workers(num_workers: int, **options) -> list[dict | None]:
+        stack = RecordingStack(StackOptions(log_dir=tmp_path, services=(), num_workers=num_workers, **options))
+        stack._start_services(pool_replicas=1, num_workers=num_workers, arbitrators=1)
+        stack.start_worker()  # one joining later takes the next share, wrapping round
+        return [env for _, env, _ in stack.started]
+
+    assert workers(2) == [{"KITE_WORKER_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "0,1"},
+                          {"KITE_WORKER_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "2,3"},
+                          {"KITE_WORKER_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "0,1"}]
+    assert workers(2, env={"KITE_WORKER_NUM_THREADS": "1"})[1] == {
+        "KITE_WORKER_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"}
+    assert workers(1) == [{}, {}]  # one worker keeps vLLM's binding: every core is its own
+    assert workers(2, env={"VLLM_CPU_OMP_THREADS_BIND": "auto"}) == [{}, {}, {}]
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3")
+    assert workers(2) == [{}, {}, {}]

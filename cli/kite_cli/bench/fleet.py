@@ -52,7 +52,7 @@ from kite_cli.bench.vllm_peer import (MODEL, Client, System, alternating_rounds,
                                       print_levels, print_ratios, report_working_set, stop, wait_http,
                                       working_set)
 from kite_cli.local_servers import free_port
-from kite_cli.stack import LocalStack
+from kite_cli.stack import LocalStack, core_sets, default_threads
 
 POLICIES = ("cache_aware", "round_robin", "kv_aware")
 KITE = "kite"
@@ -87,21 +87,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def default_threads(num_workers: int, num_cores: int) -> int:
-    """Each worker's share of the cores, at least one thread."""
-    return max(1, num_cores // num_workers)
-
-
-def core_sets(num_workers: int, threads: int, num_cores: int) -> list[str]:
-    """Worker i's cores (VLLM_CPU_OMP_THREADS_BIND), `threads` each, dealt out in turn and wrapping round
-    when the workers want more cores than there are."""
-    return [",".join(str((i * threads + k) % num_cores) for k in range(threads)) for i in range(num_workers)]
-
-
 def worker_envs(args) -> list[dict[str, str]]:
     """Each worker's engine settings, the same for worker i of either fleet."""
-    if args.cpu_bind == "auto":
-        return [{} for _ in range(args.workers)]
+    if args.cpu_bind == "auto":  # named: a stack of several workers would otherwise share the cores out
+        return [{"VLLM_CPU_OMP_THREADS_BIND": "auto"} for _ in range(args.workers)]
     return [{"VLLM_CPU_OMP_THREADS_BIND": cores}
             for cores in core_sets(args.workers, args.threads, os.cpu_count() or 1)]
 
