@@ -3,9 +3,9 @@
 - Telemetry (`kite_shared.messages.WorkerTelemetry` on kite.v1.telemetry.worker) every
   KITE_TELEMETRY_INTERVAL_S, and sooner on a significant change: within 100 ms when queue depth, running
   requests or the standby flag change while requests are in flight; at once when an idle worker admits a
-  request (an idle worker's shape changes only then, so it wakes for nothing else); at once when asked (`publish_soon`: an activation, a decision, the
-  drain); and right before a stream's last event, whose publisher awaits `publish` (routers see the freed
-  slot before the client can send its next turn).
+  request (an idle worker's shape changes only then, so it wakes for nothing else); at once when asked
+  (`publish_soon`: an activation, a decision, the drain); and right before a stream's last event, whose
+  publisher awaits `publish` (routers see the freed slot before the client can send its next turn).
 - Decisions (kite.v1.arbitrator.decisions) for this worker or "*": `write_policy` sets the Upcycle write
   policy (kite_worker.write_policy); `warm_capacity` activates a standby worker (KITE_WORKER_STANDBY: model
   loaded, not taking requests) or scales one in (requests in flight finish). Activation latency = decision
