@@ -63,7 +63,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--count-messages", action="store_true", help="count NATS messages by subject")
     parser.add_argument("--profile", type=Path, help="sample each control-plane process with py-spy into DIR")
     parser.add_argument("--json", type=Path)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.profile and py_spy() is None:
+        parser.error("--profile samples with py-spy, which is not installed (pip install py-spy==0.4.3)")
+    return args
+
+
+def py_spy() -> str | None:
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if beside.exists() else shutil.which("py-spy")
 
 
 def code_path(checkout: Path | None) -> dict[str, str]:
@@ -129,13 +137,13 @@ def print_messages(idle: Counter[str], idle_s: float, load: Counter[str], num_re
 
 
 def start_profilers(stack, out_dir: Path, duration_s: int) -> list[tuple[str, subprocess.Popen, Path]]:
-    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    binary = py_spy()
     out_dir.mkdir(parents=True, exist_ok=True)
     running = []
     for label, pid in profiled_pids(stack).items():
         path = out_dir / f"{label}.txt"
         # --gil: only samples of the thread holding the GIL, i.e. running Python (not waiting in epoll).
-        proc = subprocess.Popen([py_spy, "record", "--pid", str(pid), "--format", "raw", "--rate", "200", "--gil",
+        proc = subprocess.Popen([binary, "record", "--pid", str(pid), "--format", "raw", "--rate", "200", "--gil",
                                  "--duration", str(duration_s), "--nonblocking", "--output", str(path)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         running.append((label, proc, path))
