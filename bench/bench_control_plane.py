@@ -40,7 +40,7 @@ from pathlib import Path
 import nats
 
 from kite_cli.bench.fleet import kite_cpu
-from kite_cli.bench.vllm_peer import MODEL, Client, kite_stack, questions
+from kite_cli.bench.vllm_peer import MODEL, Client, delta, kite_stack, questions
 
 ENGINE_GROUP = "worker engine core"  # vLLM's own processes: model work, not control plane
 
@@ -82,14 +82,6 @@ def code_path(checkout: Path | None) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(str(r.resolve()) for r in roots)}
 
 
-def control_plane(cpu: dict[str, float]) -> dict[str, float]:
-    return {name: s for name, s in cpu.items() if name != ENGINE_GROUP}
-
-
-def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
-
-
 def profiled_pids(stack) -> dict[str, int]:
     """Each control-plane Python process by a file-name-safe label."""
     return {f"{p.name}-{p.process.pid}": p.process.pid for p in stack.processes if p.process.poll() is None}
@@ -102,11 +94,13 @@ class MessageCounter:
     def __init__(self, url: str) -> None:
         self.counts: Counter[str] = Counter()
         self._loop = asyncio.new_event_loop()
-        ready = threading.Event()
         threading.Thread(target=self._loop.run_forever, daemon=True).start()
-        asyncio.run_coroutine_threadsafe(self._subscribe(url, ready), self._loop).result(timeout=30)
+        self._call(self._subscribe(url))
 
-    async def _subscribe(self, url: str, ready: threading.Event) -> None:
+    def _call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=30)
+
+    async def _subscribe(self, url: str) -> None:
         self._nc = await nats.connect(url)
         await self._nc.subscribe(">", cb=self._count)
         await self._nc.flush()
@@ -117,8 +111,11 @@ class MessageCounter:
         self.counts[key] += 1
 
     def take(self) -> Counter[str]:
-        taken = asyncio.run_coroutine_threadsafe(self._take(), self._loop).result(timeout=30)
-        return taken
+        return self._call(self._take())
+
+    def close(self) -> None:
+        """Before the stack stops: its nats-server going away would otherwise be logged as an error."""
+        self._call(self._nc.close())
 
     async def _take(self) -> Counter[str]:
         await self._nc.flush()
@@ -226,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         wall_s, answers = run_load(client, args.requests, args.concurrency)
         load = delta(before, kite_cpu(stack))
         load_messages = counter.take() if counter else None
+        if counter:
+            counter.close()
         for _, proc, _ in profilers:
             proc.send_signal(2)  # py-spy writes what it sampled on SIGINT
         for label, proc, path in profilers:
