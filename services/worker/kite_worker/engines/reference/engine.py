@@ -157,6 +157,7 @@ class ReferenceEngine:
             seq.prefetched = await self.loader.load(seq.prompt_hashes, num_local, seq.request.tenant,
                                                     seq.identity.fingerprint_hex)
             POOL_BLOCKS_LOADED.inc(len(seq.prefetched))
+            self.model.expect_reuse(seq, num_local + len(seq.prefetched))
         except Exception:
             log.exception("loading pool blocks for %s failed; computing them", seq.request_id)
             seq.prefetched = []

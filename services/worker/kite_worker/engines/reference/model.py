@@ -76,6 +76,9 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens reused instead of computed
     num_prompt_blocks_cached: int = 0  # leading prompt blocks that came from the cache
     prefetched: list[tuple[BlockHash, torch.Tensor]] = field(default_factory=list)  # loaded from the ru-pool
+    # Prompt tokens expected to be computed rather than reused, for admission control's backlog until the
+    # prefix is injected (then num_computed says it): a shared system prompt must not count as work.
+    expected_computed_tokens: int = 0
     num_pool_blocks: int = 0  # of the reused blocks, how many were loaded from the ru-pool
     generated: list[int] = field(default_factory=list)
     first_token_at: float | None = None
@@ -153,7 +156,13 @@ class ReferenceModel:
             stops=StopStringMatcher(request.sampling.stop),
         )
         _prime_resumed(seq)  # request migration (issue 7)
+        self.expect_reuse(seq, self.block_cache.longest_prefix(hashes) if seq.reuse else 0)
         return seq
+
+    def expect_reuse(self, seq: Sequence, num_blocks: int) -> None:
+        """Record that `num_blocks` leading prompt blocks are expected to be reused (local or loaded)."""
+        num_tokens = min(num_blocks * self.options.block_size, len(seq.prompt_ids) - 1)
+        seq.expected_computed_tokens = len(seq.prompt_ids) - max(0, num_tokens)
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

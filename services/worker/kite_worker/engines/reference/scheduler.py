@@ -48,6 +48,13 @@ CacheEventsFn = Callable[[list[CacheEvent]], None]
 ShadowFn = Callable[[ShadowOutcome], None]
 
 
+def _backlog(seq: Sequence) -> int:
+    """Prompt tokens `seq` has still to compute: the expectation until its cached prefix is injected."""
+    if not seq.prefilling:
+        return 0
+    return seq.expected_computed_tokens if seq.cache is None else len(seq.prompt_ids) - seq.num_computed
+
+
 class _Stream:
     """Per-request event numbering (the gateway checks seq for loss and duplication)."""
 
@@ -117,9 +124,7 @@ class Scheduler:
         """(KV positions of running requests, prompt tokens admitted but not computed yet), for telemetry."""
         with self._lock:
             running = sum(len(s.seq.prompt_ids) + len(s.seq.generated) for s in self._running)
-            backlog = sum(len(s.seq.prompt_ids) - s.seq.num_computed for s in self._running
-                          if s.seq.prefilling)
-            backlog += sum(len(s.seq.prompt_ids) for s in (*self._waiting, *self._reserved.values()))
+            backlog = sum(_backlog(s.seq) for s in (*self._running, *self._waiting, *self._reserved.values()))
         return running, backlog
 
     def reserve(self, request: TokenizedRequest) -> Sequence:
