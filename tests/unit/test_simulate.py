@@ -111,6 +111,21 @@ def test_the_pool_indexes_every_distinct_block(results, trace):
         assert r.pool_counters["puts"] == trace.num_distinct_blocks
 
 
+def test_pool_work_charged_to_placement_keys_adds_up(results, trace):
+    """Every pool message and core second of a run is charged to a key of each kind (what sharding splits):
+    the tenant's, or each chain segment's (a lookup asks every segment it spans)."""
+    for r in results.values():
+        by_tenant, by_segment = r.loads["tenant"].totals(), r.loads["segment"].totals()
+        assert set(r.loads["tenant"]) <= {tag.encode() for tag in trace.tenant_tags}
+        for t in (by_tenant, by_segment):
+            assert t.num_puts == r.pool_puts
+            assert t.read_s == pytest.approx(r.pool_read_s + sum(r.lookup_s))
+            assert t.write_s == pytest.approx(r.pool_put_s + r.pool_event_s)
+        assert by_tenant.num_lookups >= r.pool_reads + len(r.lookup_s)  # hot gets come on top
+        assert by_segment.num_lookups >= by_tenant.num_lookups  # long prompts span several segments
+        assert 0 < by_tenant.num_events <= by_segment.num_events
+
+
 def test_a_sessions_turns_land_on_one_worker(results):
     ca = results["cache_aware"]
     assert ca.followups > 0
@@ -184,7 +199,7 @@ def test_run_and_command_line(tmp_path, capsys):
     assert main(["simulate", "--workers", "4", "--blocks", "3000", "--seed", "3", "--compare-workers", "2",
                  "--compare-blocks", "1000", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "pool index memory" in printed and "cache_aware" in printed
+    assert "pool index memory" in printed and "cache_aware" in printed and "pool index by segment" in printed
     report = json.loads(out.read_text())
     full, compared = report["runs"]
     assert [m["mode"] for m in full["modes"]] == ["cache_aware"]
@@ -195,6 +210,9 @@ def test_run_and_command_line(tmp_path, capsys):
                and m["index_blocks_match_trace"] for m in compared["modes"])
     assert report["pool_memory"]["bytes_per_block"] > 0
     assert report["pool_sweep"]["slices"] >= 1
+    sharding = full["modes"][0]["pool_sharding"]
+    assert set(sharding) == {"tenant", "segment"}
+    assert [p["rate_scale"] for p in sharding["tenant"]] == [1.0, 100.0, 1000.0]
     assert report["trace"]["distinct_blocks"] >= 3000
 
 

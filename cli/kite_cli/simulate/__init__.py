@@ -50,7 +50,10 @@ The model:
    time, and after the first full run: the pool core's memory per indexed block (a sys.getsizeof walk
    of every object reachable from it, each counted once), one lifecycle sweep over the whole index in
    the service's slices, and the router's per-decision bookkeeping (LiveWorkers.view) at this fleet
-   size. Wall-time figures depend on the machine's load, which the report states.
+   size. For each run, the index-sharding estimate (sharding.py): the pool's work and messages charged
+   to a tenant or a chain segment, plus the service's measured CPU per message, at the run's rate and
+   scaled (GPU-speed prefill), and the shards each placement needs. Wall-time figures depend on the
+   machine's load, which the report states.
 
 Determinism: one seed drives the trace and the queue-group picks; simulated figures (hits, TTFT,
 imbalance, counts) are identical for a seed, wall-time figures are not. The cyclic GC is off while the
@@ -94,6 +97,7 @@ def run(cfg: SimConfig, progress: Callable[[str], None] = _log) -> dict[str, Any
     """Generate the trace, run the fleet in each mode, and return the report (JSON-ready)."""
     from kite_cli.simulate import report as rep
     from kite_cli.simulate.fleet import FleetSim, HotUnit
+    from kite_cli.simulate.sharding import ServiceCosts
     from kite_cli.simulate.trace import generate
 
     started = time.perf_counter()
@@ -128,6 +132,9 @@ def run(cfg: SimConfig, progress: Callable[[str], None] = _log) -> dict[str, Any
                 result = sim.run()
                 summary = rep.summarize_mode(result)
                 summary["index_blocks_match_trace"] = result.pool_blocks == this_trace.num_distinct_blocks
+                summary["pool_sharding"] = rep.sharding(
+                    result, this_trace.rate, ServiceCosts(cfg.pool_lookup_us, cfg.pool_put_us, cfg.pool_event_us),
+                    cfg.shard_target_busy, cfg.shard_rate_scales)
                 summaries.append(summary)
                 progress(f"  {mode}: {result.wall_s:.0f} s, hit rate local {summary['hit_rate']['local']:.3f} "
                          f"computed {summary['hit_rate']['computed']:.3f}, route p50 "
@@ -200,6 +207,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pool-hot-bytes", type=int, default=f.pool_hot_bytes)
     p.add_argument("--telemetry-interval-s", type=float, default=f.telemetry_interval_s)
     p.add_argument("--arbitrator-interval-s", type=float, default=f.arbitrator_interval_s)
+    p.add_argument("--shard-segment-blocks", type=int, default=f.shard_segment_blocks,
+                   help="blocks of a chain placed together when the index is sharded by segment")
+    sim = SimConfig()
+    for kind in ("lookup", "put", "event"):
+        p.add_argument(f"--pool-{kind}-us", type=float, default=getattr(sim, f"pool_{kind}_us"),
+                       help=f"pool service CPU per {kind} message beyond the core's work (sharding estimate)")
+    p.add_argument("--shard-target-busy", type=float, default=sim.shard_target_busy,
+                   help="busy fraction a pool index shard may reach")
+    p.add_argument("--shard-rate-scales", default=",".join(f"{x:g}" for x in sim.shard_rate_scales),
+                   help="the sharding estimate at the run's request rate times each of these")
     p.add_argument("--no-memory-walk", action="store_true", help="skip the pool core's memory walk")
     p.add_argument("--no-sweep", action="store_true", help="skip timing a lifecycle sweep")
     return p
@@ -223,10 +240,14 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     fleet = dataclasses.replace(FleetConfig(), num_workers=args.workers, worker_cache_bytes=args.worker_cache_bytes,
                                 pool_hot_bytes=args.pool_hot_bytes, telemetry_interval_s=args.telemetry_interval_s,
                                 arbitrator_interval_s=args.arbitrator_interval_s,
+                                shard_segment_blocks=args.shard_segment_blocks,
                                 stale_s=3 * args.telemetry_interval_s, cost=cost)
     return SimConfig(trace=trace, fleet=fleet, modes=modes(args.modes), compare_modes=modes(args.compare_modes),
                      compare_workers=args.compare_workers, compare_blocks=args.compare_blocks,
-                     measure_memory=not args.no_memory_walk,
+                     measure_memory=not args.no_memory_walk, pool_lookup_us=args.pool_lookup_us,
+                     pool_put_us=args.pool_put_us, pool_event_us=args.pool_event_us,
+                     shard_target_busy=args.shard_target_busy,
+                     shard_rate_scales=tuple(float(x) for x in args.shard_rate_scales.split(",") if x.strip()),
                      sweep=not args.no_sweep)
 
 

@@ -69,6 +69,9 @@ class FleetConfig:
     ttft_slo_s: float = 10.0  # KITE_ARBITRATOR_TTFT_SLO_S
     min_hold_s: float = 1.0  # KITE_ARBITRATOR_MIN_HOLD_S
     stale_s: float = 15.0  # KITE_ARBITRATOR_STALE_S (3 s in the service, with 1 s telemetry)
+    # For the index-sharding estimate (sharding.py): a chain's blocks are placed in segments of this many
+    # (1,024 tokens at 16 a block)
+    shard_segment_blocks: int = 64
     cost: CostModelConfig = field(default_factory=CostModelConfig)
 
 
@@ -87,4 +90,14 @@ class SimConfig:
     compare_workers: int = 100
     compare_blocks: int = 1_000_000
     measure_memory: bool = True  # walk the pool core's memory after the first full run
+    # Sharding the pool index by tenant (sharding.py): the service's CPU per message beyond the core's own
+    # work, by kind (bench/bench_pool_messages.py on this machine, docs/architecture.md), and the busy
+    # fraction a shard may reach.
+    pool_lookup_us: float = 225.0  # 64 blocks, with every worker's prefix (2026-12-07: 216-236)
+    pool_put_us: float = 2180.0  # a 737,280-byte float32 unit of 16 tokens, written through to Redis
+    pool_event_us: float = 20.0  # a BlockStored of 8 hashes
+    shard_target_busy: float = 0.5
+    # The run's request rate times these: 100 is GPU-speed prefill (about 100x this CPU's), 1,000 a fleet
+    # ten times larger at GPU speed.
+    shard_rate_scales: tuple[float, ...] = (1.0, 100.0, 1000.0)
     sweep: bool = True  # time one lifecycle sweep of its index

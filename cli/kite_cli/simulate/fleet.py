@@ -42,6 +42,7 @@ from kite_worker.engines.reference.block_cache import BlockCache
 from kite_worker.pool_loader import CostModel, TierEstimate
 
 from kite_cli.simulate.config import FleetConfig
+from kite_cli.simulate.sharding import KEY_KINDS, LoadLedger
 from kite_cli.simulate.trace import Request, Trace
 
 # Event kinds, in the order they run when they fall on the same instant: work finishing before new
@@ -147,6 +148,9 @@ class ModeResult:
     pool_event_s: float = 0.0
     pool_reads: int = 0
     pool_read_s: float = 0.0
+    # the same pool work (the router's lookups included) and the messages that carried it, charged to the
+    # key that would place them on an index shard: the tenant, or the chain segment (sharding.py)
+    loads: dict[str, LoadLedger] = field(default_factory=lambda: {kind: LoadLedger() for kind in KEY_KINDS})
     evaluate_s: list[float] = field(default_factory=list)  # ArbitratorCore.evaluate wall time
     evaluate_cpu_s: list[float] = field(default_factory=list)  # ... its CPU time
     telemetry_s: float = 0.0  # building and observing WorkerTelemetry, total
@@ -207,6 +211,9 @@ class FleetSim:
         self.event_seq = 0
         self.last_worker = [-1] * trace.num_sessions
         self.result = ModeResult(mode)
+        self.tenant_keys = [tag.encode() for tag in trace.tenant_tags]
+        self.segment_blocks = cfg.shard_segment_blocks
+        self.by_tenant, self.by_segment = self.result.loads["tenant"], self.result.loads["segment"]
 
     # --- events ----------------------------------------------------------------------------------
     def _at(self, when: float, kind: int, worker: int = -1, job: _Job | None = None) -> None:
@@ -315,6 +322,7 @@ class FleetSim:
             local_blocks, pool_blocks = dict(reply.workers), reply.pool
             looked = time.perf_counter()
             res.lookup_s.append(looked - started)
+            self._charge_read(self.trace.session_tenant[r.session], chain, 0, len(chain), looked - started, 0)
         else:
             looked = started
         self.rr += 1
@@ -369,7 +377,7 @@ class FleetSim:
             if worker.write_policy == "selective":
                 # selective: a block is saved when a second request uses it (the vLLM connector)
                 for depth in range(local):
-                    self._put(prompt[depth], self.trace.tenant_tags[job.tenant], depth, now, only_missing=True)
+                    self._put(job.tenant, prompt, depth, now, only_missing=True)
         load_s = 0.0
         if self.cfg.pool_read and local < num_prompt:
             started = time.perf_counter()
@@ -387,8 +395,10 @@ class FleetSim:
                         for depth in range(local, local + k):
                             if letters[depth - local] == 104:  # b"h"
                                 self.core.reads.hot_get(BlockKey(self.tag, prompt[depth], tenant_tag), now)
-            self.result.pool_read_s += time.perf_counter() - started  # plan and fetch_seconds are memoized
+            elapsed = time.perf_counter() - started  # plan and fetch_seconds are memoized
+            self.result.pool_read_s += elapsed
             self.result.pool_reads += 1
+            self._charge_read(job.tenant, prompt, local, num_prompt, elapsed, job.hot)
         job.local = local
         computed_tokens = max(1, r.prompt_tokens - (local + job.hot + job.warm) * bs)
         job.service_s = computed_tokens / self.cfg.cost.prefill_tokens_per_s + load_s
@@ -455,33 +465,41 @@ class FleetSim:
         for depth in range(start, end):
             put(chain[depth], stub)
         if worker.write_policy == "write_through":
-            tenant_tag = self.trace.tenant_tags[job.tenant]
             for depth in range(max(start, first_computed), end):
-                self._put(chain[depth], tenant_tag, depth, now)
+                self._put(job.tenant, chain, depth, now)
         events = cache.take_events()
+        segment_of = {chain[d]: chain[d - d % self.segment_blocks] for d in range(start, end)}
         # one message per run of same-kind events, in order (a block evicted and stored again within
         # one batch must end up stored)
         run_kind, run = events[0].kind if events else "", []
         for ev in events:
             if ev.kind != run_kind:
-                self._publish(worker, run_kind, run, now)
+                self._publish(worker, job.tenant, segment_of, run_kind, run, now)
                 run_kind, run = ev.kind, []
             run.append(ev.block_hash)
         if run:
-            self._publish(worker, run_kind, run, now)
+            self._publish(worker, job.tenant, segment_of, run_kind, run, now)
 
-    def _publish(self, worker: _Worker, kind: str, hashes: list[bytes], now: float) -> None:
+    def _publish(self, worker: _Worker, tenant: int, segment_of: dict[bytes, bytes], kind: str,
+                 hashes: list[bytes], now: float) -> None:
+        """One BlockStored / BlockRemoved message, charged to `tenant` (whose request caused it); sharded by
+        segment, one message per segment among `hashes` (`segment_of`; a block not in it, by its hash)."""
         worker.seq += 1
         started = time.perf_counter()
         if kind == "stored":
             self.core.worker_events.stored(worker.worker_id, self.fp, hashes, worker.seq, now)
         else:
             self.core.worker_events.removed(worker.worker_id, self.fp, hashes, False, worker.seq, now)
+        elapsed = time.perf_counter() - started
         res = self.result
-        res.pool_event_s += time.perf_counter() - started
+        res.pool_event_s += elapsed
         res.pool_event_hashes += len(hashes)
+        self.by_tenant.event(self.tenant_keys[tenant], elapsed)
+        segments = {segment_of.get(h, h) for h in hashes}
+        for key in segments:
+            self.by_segment.event(key, elapsed / len(segments))
 
-    def _put(self, block_hash: bytes, tenant_tag: str, depth: int, now: float, only_missing: bool = False) -> None:
+    def _put(self, tenant: int, chain: list[bytes], depth: int, now: float, only_missing: bool = False) -> None:
         """kite_ru_pool/service.py `put_bytes` once the unit is verified: admit, quota, hot, write-through.
 
         The service's objects, not shared ones: the service decodes each unit, so its tenant tag is a
@@ -490,7 +508,7 @@ class FleetSim:
         `encode().decode()`) is what makes the index's measured memory per block the service's."""
         writes, index = self.core.writes, self.core.index
         started = time.perf_counter()
-        key = BlockKey.of(self.fp, block_hash, tenant_tag.encode().decode())
+        key = BlockKey.of(self.fp, chain[depth], self.trace.tenant_tags[tenant].encode().decode())
         if only_missing and index.tiers_of(key):
             return
         self.result.pool_puts += 1
@@ -500,7 +518,24 @@ class FleetSim:
                 for action in writes.put_hot(key, self.unit, now + 0.0, depth):
                     index.note_stored(action.key, action.tier, size, now)  # the demotion's write succeeded
                 index.note_stored(key, WARM, size, now + 0.0, depth=depth)  # the write-through succeeded
-        self.result.pool_put_s += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self.result.pool_put_s += elapsed
+        self.by_tenant.put(self.tenant_keys[tenant], elapsed)
+        self.by_segment.put(chain[depth - depth % self.segment_blocks], elapsed)
+
+    def _charge_read(self, tenant: int, chain: list[bytes], start: int, end: int, seconds: float,
+                     num_hot: int) -> None:
+        """A lookup of chain[start:end] (and a get when `num_hot` blocks come from the pool's memory):
+        one message to the tenant's shard, or one to each segment's shard it spans (at once)."""
+        self.by_tenant.read(self.tenant_keys[tenant], seconds, 1 + (num_hot > 0))
+        k = self.segment_blocks
+        starts = range(start - start % k, end, k)
+        if not starts:
+            return
+        for s in starts:
+            self.by_segment.read(chain[s], seconds / len(starts))
+        if num_hot:
+            self.by_segment.read(chain[start - start % k], 0.0)
 
     # --- control plane ---------------------------------------------------------------------------
     def _telemetry(self, now: float) -> None:

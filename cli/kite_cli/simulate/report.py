@@ -15,6 +15,7 @@ import types
 from typing import Any
 
 from kite_cli.simulate.fleet import ModeResult
+from kite_cli.simulate.sharding import ServiceCosts, plan as shard_plan
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -220,9 +221,35 @@ def summarize_mode(r: ModeResult, service_telemetry_interval_s: float = 1.0) -> 
     }
 
 
+def sharding(r: ModeResult, rate: float, costs: ServiceCosts, target_busy: float,
+             rate_scales: tuple[float, ...]) -> dict[str, list[dict[str, Any]]]:
+    """The pool work of this run at the trace's arrival `rate` times each scale: how many index shards it
+    needs, placed by each key kind (sharding.py)."""
+    return {kind: [shard_plan(loads, r.num_requests / rate, costs, target_busy, scale) for scale in rate_scales]
+            for kind, loads in r.loads.items()}
+
+
 def machine() -> dict[str, Any]:
     return {"python": platform.python_version(), "cpus": os.cpu_count(),
             "load_average_1m": round(os.getloadavg()[0], 2), "platform": platform.platform()}
+
+
+def _format_sharding(kind: str, sh: dict[str, Any]) -> str:
+    c, hot = sh["costs_us"], sh["hottest_key"] or {}
+    last = sh["by_shards"][-1] if sh["by_shards"] else {}
+    if sh["shards_needed"]:
+        needed = (f"shards needed to keep the busiest under {_pct(sh['target_busy'])}: {sh['shards_needed']} (it takes "
+                  f"{last.get('busiest_lookups_per_s', 0):,.0f} lookups/s, {last.get('busiest_messages_per_s', 0):,.0f} "
+                  f"messages/s)")
+    else:
+        needed = (f"no shard count keeps the busiest under {_pct(sh['target_busy'])}: the hottest key alone needs "
+                  f"{hot.get('busy', 0):.2f} CPU-s/s, {hot.get('write_busy', 0):.2f} of it writes; "
+                  + (f"its shard needs {hot['replicas_needed']} replicas for its reads" if hot.get("replicas_needed")
+                     else "its writes alone exceed that: the key must be finer"))
+    return (f"  pool index by {kind} at {sh['rate_scale']:g}x this rate ({sh['num_keys']:,} keys; service CPU per "
+            f"lookup {c['lookup_us']:.0f} us, put {c['put_us']:.0f} us, event {c['event_us']:.0f} us): "
+            f"{sh['messages_per_s']:,.0f} messages/s, {sh['busy_one_process']:.2f} CPU-s/s in all "
+            f"(core alone {sh['core_only_busy']:.3f}); {needed}")
 
 
 def _pct(x: float) -> str:
@@ -271,6 +298,8 @@ def format_report(report: dict[str, Any]) -> str:
                 lines.append(f"  pool core: put {p['put_us']:.1f} us, worker event {p['event_us_per_hash']:.2f} us "
                              f"per hash, worker lookup {p['worker_lookup_us']:.0f} us; busy "
                              f"{_pct(p['core_busy_fraction'])} of the simulated time")
+                for kind, plans in m["pool_sharding"].items():
+                    lines.extend(_format_sharding(kind, sh) for sh in plans)
     mem = report.get("pool_memory")
     if mem:
         lines.append("")
