@@ -238,9 +238,9 @@ def _format_sharding(kind: str, sh: dict[str, Any]) -> str:
     c, hot = sh["costs_us"], sh["hottest_key"] or {}
     last = sh["by_shards"][-1] if sh["by_shards"] else {}
     if sh["shards_needed"]:
-        needed = (f"shards needed to keep the busiest under {_pct(sh['target_busy'])}: {sh['shards_needed']} (it takes "
-                  f"{last.get('busiest_lookups_per_s', 0):,.0f} lookups/s, {last.get('busiest_messages_per_s', 0):,.0f} "
-                  f"messages/s)")
+        lookups, messages = last.get("busiest_lookups_per_s", 0), last.get("busiest_messages_per_s", 0)
+        needed = (f"shards needed to keep the busiest under {_pct(sh['target_busy'])}: {sh['shards_needed']} "
+                  f"(it takes {lookups:,.0f} lookups/s, {messages:,.0f} messages/s)")
     else:
         needed = (f"no shard count keeps the busiest under {_pct(sh['target_busy'])}: the hottest key alone needs "
                   f"{hot.get('busy', 0):.2f} CPU-s/s, {hot.get('write_busy', 0):.2f} of it writes; "
