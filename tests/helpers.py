@@ -18,7 +18,6 @@ import uuid
 from pathlib import Path
 from typing import Any, Awaitable, Callable, TypeVar
 
-import httpx
 import nats
 
 from kite_shared import subjects
@@ -101,17 +100,6 @@ async def wait_until_async(probe: Callable[[], T | Awaitable[T]], timeout_s: flo
         if wait.over(value, failed):
             return value
         await asyncio.sleep(interval_s)
-
-
-def wait_workers(stack, count: int, timeout_s: float = 120) -> None:
-    """Until the gateway's /health counts `count` live workers (a LocalStack is healthy as soon as one
-    answers)."""
-    def live_workers() -> int | None:
-        r = httpx.get(stack.http_url + "/health", timeout=2)
-        return r.json().get("workers") if r.status_code == 200 else None
-
-    wait_until(live_workers, timeout_s, f"{count} live workers", done=lambda n: n == count, interval_s=0.25,
-               ignore=(httpx.HTTPError,))
 
 
 def wait_for_log(path: Path, text: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> str:

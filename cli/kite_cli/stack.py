@@ -5,8 +5,9 @@ services, each a separate process. Used by `kite run` (make run), the integratio
 its pid, NATS URL, HTTP URL, gRPC address, log folder), removed when it stops; the admin commands (`kite
 pool`, `python -m kite_cli.arbitrator_admin`) find the running stack's NATS there (`admin_nats_url`).
 
-A start (`start`, `restart_services`, `wait_healthy`) reports a worker that exits while it waits (`report`:
-its name, exit code and log tail) and goes on with the others; it fails when no worker is left. After the
+A start (`start`, `restart_services`, `wait_healthy`, and `wait_workers` for all of them to be live)
+reports a worker that exits while it waits (`report`: its name, exit code and log tail) and goes on with
+the others; it fails when no worker is left. After the
 start a worker may die or be killed (tests do): the stack says nothing, `kite run` watches for itself.
 `stop` is bounded: what has not exited when its time is up is killed.
 """
@@ -279,6 +280,32 @@ class LocalStack:
             return exc.code
         except OSError:
             return 0
+
+    def live_workers(self) -> int | None:
+        """How many live workers the gateway's /health counts; None while it is not healthy (503: no worker
+        or no fingerprinter answers) or does not answer."""
+        try:
+            with urllib.request.urlopen(self.http_url + "/health", timeout=2) as r:
+                return json.load(r).get("workers")
+        except (OSError, ValueError):  # urllib's HTTPError is an OSError
+            return None
+
+    def wait_workers(self, count: int, timeout_s: float = 120.0, stop: threading.Event | None = None) -> None:
+        """Until the gateway counts exactly `count` live workers (/health answers 200 from the first one, so
+        a test or benchmark that needs them all waits here). The workers running now are watched as
+        `wait_healthy` watches them."""
+        watched = self.workers()
+        deadline = time.monotonic() + timeout_s
+        reported: set[int] = set()
+        seen = None
+        while time.monotonic() < deadline:
+            self._check_starting(stop, watched, reported)
+            seen = self.live_workers()
+            if seen == count:
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"the gateway counted {seen} live workers, not {count}, for {timeout_s} s; "
+                           f"logs in {self.log_dir}")
 
     def wait_healthy(self, timeout_s: float, stop: threading.Event | None = None) -> None:
         """Until the gateway's /health answers 200, as `start` waits. The workers running now are the ones it

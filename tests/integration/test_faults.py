@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from tests.helpers import wait_workers
 from tests.integration.conftest import MODEL
 
 SMALL = ("fingerprinter", "gateway")
@@ -106,7 +105,7 @@ def _ask(url: str, max_tokens: int = 2, timeout_s: float = 60) -> httpx.Response
 
 def test_sigkill_of_the_serving_worker_mid_stream_migrates_without_losing_a_token(fresh_stack_factory):
     stack = fresh_stack_factory(num_workers=2, services=SMALL, with_redis=False, env=dict(FAST_LIVENESS))
-    wait_workers(stack, 2)
+    stack.wait_workers(2)
     reference = stream_chat(stack.http_url, _greedy_body())
     assert reference.error is None and reference.finish_reason == "length"
     assert reference.usage["completion_tokens"] == 64
@@ -216,7 +215,7 @@ def test_services_reconnect_after_nats_restarts_on_the_same_port(fresh_stack_fac
 
 def test_sigterm_mid_stream_drains_the_worker_and_the_gateway(fresh_stack_factory):
     stack = fresh_stack_factory(num_workers=2, services=SMALL, with_redis=False, env=dict(FAST_LIVENESS))
-    wait_workers(stack, 2)
+    stack.wait_workers(2)
     side: dict = {}
 
     def terminate_worker_after_three(n: int, result: StreamResult) -> None:

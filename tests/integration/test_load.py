@@ -13,7 +13,6 @@ from pathlib import Path
 import httpx
 
 from tests.integration.conftest import MODEL
-from tests.helpers import wait_workers
 
 NUM_REQUESTS = 200
 # The worker-local cache is what legitimately grows with distinct prompts; a small budget makes the RSS
@@ -69,7 +68,7 @@ def test_two_hundred_concurrent_streams_all_complete(fresh_stack_factory):
     # One torch thread per worker: two workers on a 2-core machine must not oversubscribe it.
     stack = fresh_stack_factory(num_workers=2, env={"KITE_WORKER_CACHE_BYTES": str(CACHE_BYTES),
                                                     "KITE_WORKER_NUM_THREADS": "1"})
-    wait_workers(stack, 2)
+    stack.wait_workers(2)
     # Warm both workers (first-request allocations are not growth), then measure.
     asyncio.run(_warm_every_worker(stack.http_url, 2))
     workers = stack.workers()

@@ -49,7 +49,7 @@ import pytest
 from kite_shared import subjects
 from kite_shared.config import ModelConfig, load
 from kite_shared.messages import ArbitratorTelemetry, PoolAdminReply
-from tests.helpers import pool_stats_async, wait_until, wait_workers
+from tests.helpers import pool_stats_async, wait_until
 from tests.integration.conftest import MODEL
 
 pytestmark = pytest.mark.timeout(420)
@@ -207,7 +207,7 @@ def test_sigkill_of_a_pool_replica_and_the_leading_arbitrator_under_load(fresh_s
                           limits=httpx.Limits(max_connections=CONCURRENCY + 2))
     figures: dict[str, object] = {}
     try:
-        wait_workers(stack, 2)
+        stack.wait_workers(2)
         wait_until(lambda: pool_ready(bus, pools, 2), 60, "both pool replicas serving")
         wait_until(lambda: len(bus.arbitrators) == 2 and len(bus.arbitrator_leaders()) == 1, 60,
                    "both arbitrators' telemetry, one leading")

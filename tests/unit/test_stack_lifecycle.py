@@ -1,14 +1,17 @@
 """LocalStack's start watch and bounded stop, and `kite run`'s watch once serving, on real (tiny) processes
 in place of the services: a worker that exits by itself while a start waits is reported once and the wait
 goes on while another worker runs; none left fails it; a worker the stack stops is no event; the stop event
-interrupts it. `stop` kills, with its process group, a service that ignores SIGTERM once its time is up."""
+interrupts it; `wait_workers` waits for the gateway to count every worker. `stop` kills, with its process
+group, a service that ignores SIGTERM once its time is up."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import psutil
 import pytest
@@ -94,6 +97,49 @@ def test_the_stop_event_interrupts_the_wait(stack):
     with pytest.raises(StartInterrupted):
         stack.wait_healthy(timeout_s=30, stop=stop)  # nothing answers /health
     assert time.monotonic() - started < 3
+
+
+class _Health(BaseHTTPRequestHandler):
+    """A gateway's /health: 503 until `workers` is set, then 200 with that count."""
+
+    workers: list[int] = []
+
+    def do_GET(self) -> None:
+        body = json.dumps({"status": "ok", "workers": self.workers[-1]} if self.workers else {"error": {}})
+        self.send_response(200 if self.workers else 503)
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture()
+def health(stack):
+    server = ThreadingHTTPServer((stack.options.host, stack.http_port), _Health)
+    _Health.workers = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield _Health.workers
+    server.shutdown()
+    server.server_close()
+
+
+def test_wait_workers_waits_for_the_gateway_to_count_them_all(stack, health):
+    stack.spawn("worker", "worker-1")
+    assert stack.live_workers() is None  # 503: not healthy yet
+    threading.Timer(0.2, health.append, (1,)).start()
+    threading.Timer(0.8, health.append, (2,)).start()
+    started = time.monotonic()
+    stack.wait_workers(2, timeout_s=10)
+    assert time.monotonic() - started >= 0.7 and stack.live_workers() == 2
+    with pytest.raises(TimeoutError, match="the gateway counted 2 live workers, not 3, for 0.5 s"):
+        stack.wait_workers(3, timeout_s=0.5)
+
+
+def test_wait_workers_fails_when_no_worker_is_left(stack, health):
+    stack.spawn("worker", "worker-1", exits_after(0.2, 1, "out of memory"))
+    with pytest.raises(RuntimeError, match=r"no worker is left \(worker-1 exited"):
+        stack.wait_workers(1, timeout_s=10)
 
 
 def test_stop_kills_what_ignores_sigterm_with_its_process_group_once_its_time_is_up(stack):

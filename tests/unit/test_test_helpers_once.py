@@ -12,7 +12,7 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parents[1]
 HELPERS = TESTS / "helpers.py"
 # The names the copies had before they were merged into tests/helpers.py.
-FORMER_NAMES = {"wait_for", "_wait_for", "until", "_until", "wait_until", "_wait_workers", "pool_stats",
+FORMER_NAMES = {"wait_for", "_wait_for", "until", "_until", "wait_until", "wait_workers", "_wait_workers", "pool_stats",
                 "_pool_stats", "chain", "make_chain", "chain_of", "make_units"}
 # Same name, another meaning: (path under tests/, qualified name) -> why it stays.
 ALLOWED = {("unit/test_deploy_manifests.py", "Dockerfile.chain"): "a Dockerfile's chain of build stages"}

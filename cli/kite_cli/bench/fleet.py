@@ -318,21 +318,6 @@ def fleet_systems(args, kite: LocalStack, peers: VllmFleet) -> dict[str, System]
     return systems
 
 
-def wait_workers(stack: LocalStack, num_workers: int, timeout_s: float) -> None:
-    """Until the gateway counts `num_workers` live workers (its /health turns 200 with the first)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(stack.http_url + "/health", timeout=2).json().get("workers", 0) >= num_workers:
-                return
-        except (httpx.HTTPError, ValueError):
-            pass
-        if not stack.workers():
-            raise RuntimeError(f"no KITE worker is left; logs in {stack.log_dir}")
-        time.sleep(0.5)
-    raise TimeoutError(f"{num_workers} KITE workers not live within {timeout_s} s; logs in {stack.log_dir}")
-
-
 def metrics_text(url: str) -> str:
     try:
         return httpx.get(url, timeout=5).text
@@ -389,7 +374,7 @@ def run(args, model_path: Path, log_dir: Path) -> dict:
     try:
         kite = kite_stack(args, log_dir, num_workers=args.workers,
                           services=("fingerprinter", "ru-pool", "arbitrator", "gateway"), worker_envs=worker_envs(args))
-        wait_workers(kite, args.workers, 900)
+        kite.wait_workers(args.workers, 900)
         peers.wait()
         systems = fleet_systems(args, kite, peers)
         for _, url, _ in peers.servers:  # every engine's first passes (allocation, kernels) before timing
