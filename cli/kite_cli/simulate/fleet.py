@@ -483,7 +483,9 @@ class FleetSim:
     def _publish(self, worker: _Worker, tenant: int, segment_of: dict[bytes, bytes], kind: str,
                  hashes: list[bytes], now: float) -> None:
         """One BlockStored / BlockRemoved message, charged to `tenant` (whose request caused it); sharded by
-        segment, one message per segment among `hashes` (`segment_of`; a block not in it, by its hash)."""
+        segment, one message per segment among `hashes` (`segment_of`). An evicted block's segment is not
+        known here: it is charged by the first two bytes of its hash (65,536 keys that spread over shards as
+        its segments would, without a ledger entry per evicted block)."""
         worker.seq += 1
         started = time.perf_counter()
         if kind == "stored":
@@ -495,7 +497,7 @@ class FleetSim:
         res.pool_event_s += elapsed
         res.pool_event_hashes += len(hashes)
         self.by_tenant.event(self.tenant_keys[tenant], elapsed)
-        segments = {segment_of.get(h, h) for h in hashes}
+        segments = {segment_of.get(h) or h[:2] for h in hashes}
         for key in segments:
             self.by_segment.event(key, elapsed / len(segments))
 

@@ -8,8 +8,8 @@ Placement (docs/architecture.md, "Sharding the pool index"): shard = crc32(key) 
   placed by chain[d - d % segment_blocks]). A segment's blocks stay together, so a lookup asks one shard
   per segment it spans, all at once (the router and the worker have every hash of the prompt), and
   takes the longest prefix from the answers in order; a tenant's documents and conversations spread
-  over the shards. A block removed from a worker's cache is charged by its own hash (the simulator does
-  not track which segment an evicted block was in; its hash spreads the same way).
+  over the shards. A block removed from a worker's cache is charged by the first two bytes of its hash
+  (the simulator does not track which segment an evicted block was in; its hash spreads the same way).
 Inside a shard, replicas split the reads (lookups), and every replica applies every write (puts and cache
 events reach the others as index changes), so replicas add read capacity, not write capacity.
 
