@@ -161,6 +161,7 @@ class ModeResult:
     pool_worker_entries: int = 0
     pool_counters: dict = field(default_factory=dict)
     sim_end_s: float = 0.0
+    arrival_rate: float = 0.0  # the trace's requests/s (its end trails off: the last sessions' later turns)
     wall_s: float = 0.0
 
 
@@ -254,6 +255,7 @@ class FleetSim:
         if self.shed_since is not None:
             res.shed_s += now - self.shed_since
         res.sim_end_s = now
+        res.arrival_rate = self.trace.rate
         res.busy_s = [w.busy_s for w in self.workers]
         res.served = [w.num_served for w in self.workers]
         res.pool_blocks = self.core.index.num_blocks()

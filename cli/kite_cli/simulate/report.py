@@ -159,6 +159,7 @@ def summarize_mode(r: ModeResult, service_telemetry_interval_s: float = 1.0) -> 
     busy_mean = statistics.fmean(r.busy_s) if r.busy_s else 0.0
     served_mean = statistics.fmean(r.served) if r.served else 0.0
     eval_p50 = percentile(r.evaluate_cpu_s, 0.5)
+    core_s = r.pool_put_s + r.pool_event_s + r.pool_read_s + sum(r.lookup_s)
     num_ticks = max(1, len(r.evaluate_s))
     return {
         "mode": r.mode,
@@ -209,10 +210,11 @@ def summarize_mode(r: ModeResult, service_telemetry_interval_s: float = 1.0) -> 
                  "put_us": round(r.pool_put_s / max(1, r.pool_puts) * 1e6, 2), "puts": r.pool_puts,
                  "event_us_per_hash": round(r.pool_event_s / max(1, r.pool_event_hashes) * 1e6, 3),
                  "worker_lookup_us": round(r.pool_read_s / max(1, r.pool_reads) * 1e6, 1),
-                 # the pool core's busy time over the simulated time: one pool process's load at this
-                 # fleet's request rate (its NATS handling, decode and encode not counted)
-                 "core_busy_fraction": round((r.pool_put_s + r.pool_event_s + r.pool_read_s + sum(r.lookup_s))
-                                             / max(1e-9, r.sim_end_s), 4),
+                 # the pool core's busy time over the simulated time (its NATS handling, decode and encode
+                 # not counted), and over the time the requests take at the trace's arrival rate: one pool
+                 # process's load at this fleet's rate (the simulated end trails off for minutes)
+                 "core_busy_fraction": round(core_s / max(1e-9, r.sim_end_s), 4),
+                 "core_busy_at_rate": round(core_s * r.arrival_rate / max(1, r.num_requests), 4),
                  "worker_map_entries": r.pool_worker_entries,
                  "counters": {k: v for k, v in r.pool_counters.items() if v}},
         "simulated_s": round(r.sim_end_s, 1),
@@ -297,7 +299,8 @@ def format_report(report: dict[str, Any]) -> str:
                 p = m["pool"]
                 lines.append(f"  pool core: put {p['put_us']:.1f} us, worker event {p['event_us_per_hash']:.2f} us "
                              f"per hash, worker lookup {p['worker_lookup_us']:.0f} us; busy "
-                             f"{_pct(p['core_busy_fraction'])} of the simulated time")
+                             f"{_pct(p['core_busy_fraction'])} of the simulated time, "
+                             f"{_pct(p['core_busy_at_rate'])} at the trace's arrival rate")
                 for kind, plans in m["pool_sharding"].items():
                     lines.extend(_format_sharding(kind, sh) for sh in plans)
     mem = report.get("pool_memory")

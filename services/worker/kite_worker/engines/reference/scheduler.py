@@ -15,8 +15,8 @@ blocks from the ru-pool onto the Sequence, and `enqueue` hands it to the engine 
 Shadow verification (kite_worker.shadow): a sampled request that reused KV keeps its first-token logits
 and is queued as a check after its prefill; once no request has waited or run for `shadow_idle_s`, the
 loop recomputes the oldest check a small chunk at a time (a request arriving meanwhile waits at most one
-chunk) and hands the outcome to `on_shadow(outcome)`. A quarantined model fingerprint (`quarantine`) drops its local blocks and its
-requests run without reuse.
+chunk) and hands the outcome to `on_shadow(outcome)`. A quarantined model fingerprint (`quarantine`) drops
+its local blocks and its requests run without reuse.
 
 Boundary: knows the model (model.py) and the callbacks given at `start` (`emit(subject, message)` for
 stream events, `on_new_blocks(blocks)` for the ru-pool, `on_cache_events(events)` for the pool's index,
