@@ -47,10 +47,8 @@ from typing import Awaitable, Callable
 
 import nats
 
-from bench_pool_lookup import make_chain
+from bench_pool_lookup import make_chain, wait_for_pool
 from kite_cli.local_servers import free_port, start_nats, start_redis, wait_for_port
-from kite_shared import subjects
-from kite_shared.messages import PoolAdminRequest
 from kite_shared.config import ENGINE_BLOCK_SIZES
 from kite_shared.recyclable_unit import TORCH_DTYPE_TO_CODEC, RecyclableUnit
 from kite_shared.security import ANONYMOUS_TENANT_TAG, ru_key
@@ -138,12 +136,7 @@ async def main() -> None:
     local = LocalDirTier(cold_dir, threads=4)
     local.ru_key = key
     try:
-        while True:  # until the pool answers
-            try:
-                await nc.request(subjects.POOL_ADMIN, PoolAdminRequest(op="stats").encode(), timeout=0.5)
-                break
-            except Exception:
-                await asyncio.sleep(0.1)
+        await wait_for_pool(nc)
         lent = PoolClient(nc, get_timeout_s=10.0)
         fresh = PoolClient(nc, get_timeout_s=10.0, keep_mapped_bytes=0)
         inline = PoolClient(nc, get_timeout_s=10.0, handoff=False, stream=False)

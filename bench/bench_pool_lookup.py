@@ -65,6 +65,19 @@ def make_chain(fp: str, n: int, shape: tuple[int, ...] = SHAPE, codec: str = "fp
     return out
 
 
+async def wait_for_pool(nc, timeout_s: float = 60.0) -> None:
+    """Until an ru-pool answers on the queue group (a process just started)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await nc.request(subjects.POOL_ADMIN, PoolAdminRequest(op="stats").encode(), timeout=0.5)
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no ru-pool answered within {timeout_s} s") from None
+            await asyncio.sleep(0.1)
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]

@@ -31,10 +31,8 @@ from pathlib import Path
 
 import nats
 
-from bench_pool_lookup import make_chain
+from bench_pool_lookup import make_chain, wait_for_pool
 from kite_cli.local_servers import free_port, start_nats, start_redis
-from kite_shared import subjects
-from kite_shared.messages import PoolAdminRequest
 from kite_shared.recyclable_unit import TORCH_DTYPE_TO_CODEC
 from kite_shared.tiers.pool_client import PoolClient
 
@@ -91,12 +89,7 @@ async def main() -> None:
     pool = subprocess.Popen([sys.executable, "-m", "kite_ru_pool"], env=env)
     nc = await nats.connect(nats_srv.url)
     try:
-        while True:  # until the pool answers
-            try:
-                await nc.request(subjects.POOL_ADMIN, PoolAdminRequest(op="stats").encode(), timeout=0.5)
-                break
-            except Exception:
-                await asyncio.sleep(0.1)
+        await wait_for_pool(nc)
         client = PoolClient(nc, worker_id="bench-worker", lookup_timeout_s=10.0)
         fp = hashlib.sha256(uuid.uuid4().bytes).hexdigest()
         chain = make_chain(fp, NUM_PREFIX + args.count, shape, TORCH_DTYPE_TO_CODEC["float32"])
