@@ -17,7 +17,8 @@ in both windows, per second idle and per request under load.
 DIR/<group>-<pid>.txt) and prints each one's hottest functions by samples where they were on the CPU.
 
     python bench/bench_control_plane.py [--workers 1] [--requests 33] [--concurrency 4] [--idle-s 10]
-                                        [--eager] [--count-messages] [--profile DIR]
+                                        [--eager] [--write-path direct|pool] [--count-messages]
+                                        [--profile DIR]
                                         [--json out.json]   (make bench-control-plane)
 """
 
@@ -57,6 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=0, help="model threads per worker (0: vLLM's default)")
     parser.add_argument("--write-policy", default="write_through", choices=("write_through", "selective", "off"),
                         help="KITE_WORKER_WRITE_POLICY (the default saves every new block to the pool)")
+    parser.add_argument("--write-path", default="direct", choices=("direct", "pool"),
+                        help="KITE_WORKER_POOL_WRITE_PATH (the default writes new blocks into warm from the worker)")
     parser.add_argument("--code", type=Path,
                         help="run the services from this checkout (e.g. a `git worktree` of an older commit) "
                              "instead of the installed packages, to compare two versions alternately")
@@ -203,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="kite-bench-cp-"))
     stack = kite_stack(args, log_dir, num_workers=args.workers,
                        services=("fingerprinter", "ru-pool", "arbitrator", "gateway"),
-                       env={"KITE_WORKER_WRITE_POLICY": args.write_policy, **code_path(args.code)})
+                       env={"KITE_WORKER_WRITE_POLICY": args.write_policy,
+                            "KITE_WORKER_POOL_WRITE_PATH": args.write_path, **code_path(args.code)})
     try:
         client = Client(stack.http_url, MODEL)
         client.warm_up()

@@ -9,9 +9,14 @@ kite_ru_pool`, writing through to that Redis, as the default deployment). Then, 
 /proc) over the run, less its idle rate over the same wall time:
 - lookup: `PoolClient.lookup` of a 64-block chain the pool holds, with every worker's prefix (the router's);
 - put: one encoded unit of SmolLM2-135M's KV (`--block-tokens` tokens, float32: 737,280 payload bytes at
-  16, the simulator's block), a new block each time, written through to Redis;
+  16, the simulator's block), a new block each time, written through to Redis
+  (KITE_WORKER_POOL_WRITE_PATH=pool);
+- direct write: the same unit written into Redis by the sender itself and named in a notice to the pool
+  (UnitsWritten, one block each: a request's one new block; KITE_WORKER_POOL_WRITE_PATH=direct, the default);
 - block event: a worker's BlockStored of 8 hashes (its cache's events).
-Each figure covers the whole service path: NATS receive, decode, the core, Redis, the reply.
+Each figure covers the whole service path: NATS receive, decode, the core, Redis, the reply. Beside it, the
+sender's own CPU per message (this process: what a worker spends to send it, the Redis write included for
+a direct write).
 `--profile DIR` samples the pool with py-spy (--gil, raw stacks) during each kind, one file per kind.
 """
 
@@ -33,8 +38,12 @@ import nats
 
 from bench_pool_lookup import make_chain, wait_for_pool
 from kite_cli.local_servers import free_port, start_nats, start_redis
+from kite_shared.config import TierConfig, load
 from kite_shared.recyclable_unit import TORCH_DTYPE_TO_CODEC
+from kite_shared.security import ru_key
+from kite_shared.tiers.client import TierClient
 from kite_shared.tiers.pool_client import PoolClient
+from kite_shared.tiers.unit_writer import DirectToWarm
 
 IDLE_S = 3.0
 PUT_WINDOW = 32  # puts sent ahead of what the pool has stored
@@ -47,23 +56,24 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def measure(pid: int, idle_rate: float, count: int, send, settle, profile: Path | None) -> float:
-    """Microseconds of the pool's CPU per message beyond idle."""
+async def measure(pid: int, idle_rate: float, count: int, send, settle, profile: Path | None
+                  ) -> tuple[float, float]:
+    """Microseconds of the pool's CPU per message beyond idle, and of this process's (the sender's)."""
     spy = None
     if profile is not None:
         spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--gil", "--rate", "200",
                                 "--format", "raw", "-o", str(profile), "--pid", str(pid)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         await asyncio.sleep(1.0)  # attached
-    wall, cpu = time.perf_counter(), cpu_s(pid)
+    wall, cpu, own = time.perf_counter(), cpu_s(pid), time.process_time()
     for i in range(count):
         await send(i)
     await settle()
-    wall, cpu = time.perf_counter() - wall, cpu_s(pid) - cpu
+    wall, cpu, own = time.perf_counter() - wall, cpu_s(pid) - cpu, time.process_time() - own
     if spy is not None:
         spy.send_signal(signal.SIGINT)
         spy.wait(timeout=60)
-    return max(0.0, cpu - idle_rate * wall) / count * 1e6
+    return max(0.0, cpu - idle_rate * wall) / count * 1e6, own / count * 1e6
 
 
 def hash_chain(seed: bytes, n: int) -> list[bytes]:
@@ -92,7 +102,7 @@ async def main() -> None:
         await wait_for_pool(nc)
         client = PoolClient(nc, worker_id="bench-worker", lookup_timeout_s=10.0)
         fp = hashlib.sha256(uuid.uuid4().bytes).hexdigest()
-        chain = make_chain(fp, NUM_PREFIX + args.count, shape, TORCH_DTYPE_TO_CODEC["float32"])
+        chain = make_chain(fp, NUM_PREFIX + 2 * args.count, shape, TORCH_DTYPE_TO_CODEC["float32"])
         all_hashes = [h for h, _ in chain]
         prefix = all_hashes[:NUM_PREFIX]
         event_hashes = hash_chain(b"events" + fp.encode(), 8 * args.count)
@@ -130,6 +140,22 @@ async def main() -> None:
             await nc.flush()
             await stored_at_least(NUM_PREFIX + args.count)
 
+        tiers = TierClient.from_config(load(TierConfig, environ={}, redis_url=redis_srv.url + "/0"), with_cold=False)
+        await tiers.start()
+        writer = DirectToWarm(client, tiers.warm, ru_key())
+        first_direct = NUM_PREFIX + args.count
+
+        async def direct(i: int) -> None:
+            if not await writer.put(chain[first_direct + i][1]) or writer.num_put:
+                raise SystemExit("a direct write went by a put: the benchmark is invalid")
+            await writer.flush()  # one notice per unit: a request's one new block
+            if i % PUT_WINDOW == PUT_WINDOW - 1:
+                await stored_at_least(first_direct + i + 1 - PUT_WINDOW)
+
+        async def directs_indexed() -> None:
+            await nc.flush()
+            await stored_at_least(first_direct + args.count)
+
         async def event(i: int) -> None:
             await client.block_stored(fp, event_hashes[8 * i:8 * i + 8])
 
@@ -150,11 +176,15 @@ async def main() -> None:
                 await measure(pool.pid, idle_rate, args.count, lookup, nothing, profile("lookup")),
             f"put ({len(chain[0][1]):,}-byte unit, written through)":
                 await measure(pool.pid, idle_rate, args.count, put, puts_stored, profile("put")),
+            "direct write (a notice of 1 unit written to Redis)":
+                await measure(pool.pid, idle_rate, args.count, direct, directs_indexed, profile("direct")),
             "block event (8 hashes)":
                 await measure(pool.pid, idle_rate, args.count, event, events_applied, profile("event")),
         }
-        for kind, us in results.items():
-            print(f"{kind:<48} {us:>8.0f} us of ru-pool CPU per message")
+        await tiers.close()
+        print(f"{'message':<52} {'ru-pool us':>10} {'sender us':>10}")
+        for kind, (us, sender_us) in results.items():
+            print(f"{kind:<52} {us:>10.0f} {sender_us:>10.0f}")
     finally:
         await nc.close()
         pool.terminate()

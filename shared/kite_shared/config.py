@@ -555,6 +555,12 @@ class WorkerConfig(_MetricsPort, _Telemetry):
         "reuses the answer.")
     pool_write: bool = env(
         "KITE_WORKER_POOL_WRITE", "on", "Hand newly computed blocks to the ru-pool service (asynchronously).")
+    pool_write_path: str = env(
+        "KITE_WORKER_POOL_WRITE_PATH", "direct", "How new blocks reach the pool: direct (the worker writes each "
+        "into the warm tier itself and sends the ru-pool a small notice to index it; new blocks reach the pool's "
+        "hot tier when read) or pool (each block sent to the ru-pool in a put, which stores it in its hot tier and "
+        "writes it through to warm). Without a warm tier (KITE_REDIS_URL empty), and for lossy warm storage "
+        "(KITE_KV_CODEC_WARM), blocks go by puts (kite_shared.tiers.unit_writer).")
     pool_read: bool = env(
         "KITE_WORKER_POOL_READ", "on", "Load missing prefix blocks from the ru-pool's tiers when the cost model "
         "says loading beats recomputing.")
@@ -621,6 +627,8 @@ class WorkerConfig(_MetricsPort, _Telemetry):
     def __post_init__(self) -> None:
         if self.write_policy not in ("write_through", "selective", "off"):
             raise ConfigError(f"KITE_WORKER_WRITE_POLICY={self.write_policy!r}: expected write_through, selective or off")
+        if self.pool_write_path not in ("direct", "pool"):
+            raise ConfigError(f"KITE_WORKER_POOL_WRITE_PATH={self.pool_write_path!r}: expected direct or pool")
         if self.shadow_fraction > 1:
             raise ConfigError(f"KITE_SHADOW_FRACTION={self.shadow_fraction}: a fraction, at most 1")
 

@@ -30,7 +30,7 @@ from kite_shared.messages import (
     ArbitratorAdminRequest, ArbitratorTelemetry, Cancel, Decision, ErrorInfo, FingerprinterTelemetry,
     GatewayTelemetry, GenerateRequest, Heartbeat, Message, ModelFingerprintChanged, OneOf, Ping, PoolAdminReply,
     PoolAdminRequest, PoolGetReply, PoolGetRequest, PoolIndexChanges, PoolLookupReply, PoolLookupRequest,
-    PoolTelemetry, Pong, ShadowCheckResult, StreamBatch, TierHits, TokenizedRequest, WorkerCachesReply,
+    PoolTelemetry, Pong, ShadowCheckResult, StreamBatch, TierHits, TokenizedRequest, UnitsWritten, WorkerCachesReply,
     WorkerCachesRequest, WorkerTelemetry,
 )
 
@@ -112,6 +112,7 @@ POOL_GET = f"{PREFIX}.pool.get"
 POOL_ADMIN = f"{PREFIX}.pool.admin"
 POOL_BLOCK_EVENTS = f"{PREFIX}.pool.block_events"
 POOL_TIER_HITS = f"{PREFIX}.pool.tier_hits"
+POOL_UNITS_WRITTEN = f"{PREFIX}.pool.units_written"
 POOL_INDEX_CHANGES = f"{PREFIX}.pool.index_changes"
 POOL_WORKER_CACHES = f"{PREFIX}.pool.worker_caches"
 MODEL_FINGERPRINT = f"{PREFIX}.model.fingerprint"
@@ -222,6 +223,9 @@ TABLE: tuple[SubjectSpec, ...] = (
     SubjectSpec(POOL_TIER_HITS, TierHits, None, queue=RU_POOL_QUEUE,
                 route="worker -> one ru-pool replica: blocks it read from warm or cold itself, batched, for the "
                       "replica to promote into its hot tier"),
+    SubjectSpec(POOL_UNITS_WRITTEN, UnitsWritten, None, queue=RU_POOL_QUEUE,
+                route="worker -> one ru-pool replica: units it wrote into warm itself, for the replica to index "
+                      "(KITE_WORKER_POOL_WRITE_PATH=direct)"),
     SubjectSpec(POOL_INDEX_CHANGES, PoolIndexChanges, None,
                 route="ru-pool replica -> every other replica: what it changed in the shared tiers, pins, "
                       "clears and invalidations"),

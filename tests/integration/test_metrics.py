@@ -47,8 +47,11 @@ def test_every_service_exports_metrics_that_move_with_traffic(fresh_stack_factor
         "fingerprinter": [("kite_cf_compute_seconds_count", {}), ("kite_tokenize_seconds_count", {})],
         "worker": [("kite_prompt_tokens_total", {"source": "computed"}),
                    ("kite_prompt_tokens_total", {"source": "reused"}),
-                   ("kite_generated_tokens_total", {}), ("kite_worker_ttft_seconds_count", {})],
-        "ru-pool": [("kite_tier_bytes_total", {"tier": "hot"})],
+                   ("kite_generated_tokens_total", {}), ("kite_worker_ttft_seconds_count", {}),
+                   # new blocks: written into warm by the worker itself (KITE_WORKER_POOL_WRITE_PATH=direct) ...
+                   ("kite_tier_bytes_total", {"tier": "warm"})],
+        # ... and indexed by the pool from the worker's notice
+        "ru-pool": [("kite_endpoint_messages_total", {"endpoint": subjects.POOL_UNITS_WRITTEN})],
         "arbitrator": [("kite_arbitrator_messages_total", {"kind": "heartbeat"})],
     }
     deadline = time.monotonic() + 10  # worker and pool metrics are refreshed about once a second

@@ -169,12 +169,12 @@ def test_reuse_on_vllm_equals_recompute_across_workers_tiers_and_restarts(vllm_s
     assert answer(hit) == answer(reference)
     assert hit.json()["usage"]["completion_tokens"] == 24
 
-    # The connector saved the prompt's blocks to the pool (memory and Redis), and vLLM's own cache events
+    # The connector saved the prompt's blocks (into Redis, indexed by the pool), and vLLM's own cache events
     # told the pool's index that this worker holds them (what cache-aware routing reads).
     wait_for_warm_blocks(stack, minimum=system_blocks)
     wait_for_pool(stack, lambda stats: stats.counters["worker_blocks"] >= system_blocks, "worker blocks")
 
-    # 2. A worker that never computed the prompt loads it from the pool (hot tier).
+    # 2. A worker that never computed the prompt loads it from the pool (warm, where the first worker wrote it).
     new_worker = replace_worker(stack)
     question = "Which rule comes last?"
     from_pool = chat(stack, question)

@@ -63,3 +63,22 @@ def test_pinned_hot_blocks_stay_and_unfit_puts_are_refused():
     assert c.writes.put_hot(key(4), b"d" * 10, now=4.0) == []
     assert c.counters.hot_refused == 1 and c.index.tiers_of(key(4)) == 0
     assert all(c.index.tiers_of(key(i)) == HOT for i in (1, 2, 3))
+
+
+def test_units_a_worker_wrote_to_warm_are_admitted_like_puts_and_indexed_in_warm():
+    c = core(hot_bytes=1 << 20)
+    c.writes.put_hot(key(1), b"a" * 10, now=1.0)  # hot already holds block 1
+    decisions = c.writes.units_written([key(1), key(2), key(2)], sizes=[10, 20, 20], depths=[0, 1, 1])
+    assert decisions == ["duplicate", "store", "duplicate"]
+    assert (c.index.tiers_of(key(1)), c.index.tiers_of(key(2))) == (HOT | WARM, WARM)
+    assert c.index.entry(key(2)).depth == 1 and c.index.entry(key(2)).size == 20
+    assert (c.counters.puts, c.counters.duplicates) == (1, 2)  # block 2 stored; 1, then 2 again, duplicates
+    assert c.reads.lookup(FP, [key(1).block_hash, key(2).block_hash]).tiers == b"hw"
+
+
+def test_units_written_for_an_invalidated_model_are_refused():
+    c = core()
+    c.catalog.model_fingerprint_changed("m", FP)
+    c.catalog.model_fingerprint_changed("m", "44" * 32)
+    assert c.writes.units_written([key(1)], sizes=[10], depths=[0]) == ["invalidated"]
+    assert c.index.entry(key(1)) is None and c.counters.refused_invalidated == 1

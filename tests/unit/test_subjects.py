@@ -17,8 +17,8 @@ from kite_shared.messages import (
     GatewayTelemetry, GenerateRequest, Heartbeat, IndexChange, Message, ModelFingerprintChanged, OneOf, Ping,
     PoolAdminReply, PoolAdminRequest, PoolGetReply, PoolGetRequest, PoolIndexChanges, PoolLookupReply,
     PoolLookupRequest, PoolTelemetry, Pong, RoutingWeights, SamplingParams, ShadowCheckResult, StreamBatch, StreamEnd,
-    StreamError, TierHits, TierStats, TokenChunk, TokenizedRequest, Usage, WorkerCache, WorkerCachesReply,
-    WorkerCachesRequest, WorkerTelemetry,
+    StreamError, TierHits, TierStats, TokenChunk, TokenizedRequest, UnitsWritten, Usage, WorkerCache,
+    WorkerCachesReply, WorkerCachesRequest, WorkerTelemetry,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,6 +48,8 @@ SAMPLES: dict[type[Message], Message] = {m.__class__: m for m in (
     PoolAdminReply(ok=True, affected=1, tiers={"hot": TierStats(blocks=1, bytes=10)}, counters={"puts": 1}),
     BlockStored(worker_id="w1", model_fingerprint=FINGERPRINT, block_hashes=[HASH], seq=1),
     TierHits(worker_id="w1", model_fingerprint=FINGERPRINT, tenant_tag="0" * 16, block_hashes=[HASH], tiers=b"c"),
+    UnitsWritten(worker_id="w1", model_fingerprint=FINGERPRINT, tenant_tag="0" * 16, block_hashes=[HASH],
+                 sizes=[1_474_973], depths=[3]),
     BlockRemoved(worker_id="w1", all_blocks=True, seq=2),
     PoolIndexChanges(instance_id="p1", nonce="n", seq=1, changes=[IndexChange(
         op="stored", tier="warm", model_tag="t", block_hashes=[HASH], sizes=[10], depths=[0], last_hits=[1.0])]),

@@ -5,7 +5,7 @@ the block stream for another host that asks for it, else the units inline.
 Boundary: the only module that knows subjects and messages (with replicas.py for the replicas' own), on
 top of the coordinating layer: a put, a lookup, a get or an admin request is one call into it, and the
 reply is built from what comes back; no handler calls the lower layers (index, tier I/O, worker
-caches). A put goes to writes.PoolWrites, a lookup and a get to reads.PoolReads, worker events to
+caches). A put and a worker's units_written notice go to writes.PoolWrites, a lookup and a get to reads.PoolReads, worker events to
 worker_events.WorkerEvents, workers' tier hits to worker_hits.WorkerHits, fingerprints, quarantines and
 shadow checks to catalog.Catalog (then maintenance.Maintenance purges on the leading replica), admin
 requests to admin.PoolAdmin. The framework
@@ -19,6 +19,7 @@ Refusal.
     kite.v1.pool.get             ru-pool   PoolGetReply        get      (span kite.ru_pool.get)
     kite.v1.pool.admin           ru-pool   PoolAdminReply      admin
     kite.v1.pool.tier_hits       ru-pool   none                tier_hits (promotion, in the background)
+    kite.v1.pool.units_written   ru-pool   none                units_written (index what a worker wrote to warm)
     kite.v1.pool.replica.<instance>.{put,lookup,get,admin}   -   the same, this replica only
     kite.v1.pool.block_events    -         none                block_event
     kite.v1.model.fingerprint    -         none                model_fingerprint
@@ -47,12 +48,12 @@ from kite_shared import security, subjects
 from kite_shared.endpoints import Endpoint
 from kite_shared.messages import (
     BlockRemoved, BlockStored, Decision, Heartbeat, ModelFingerprintChanged, PoolAdminReply, PoolGetReply,
-    PoolGetRequest, PoolLookupReply, PoolLookupRequest, ShadowCheckResult, TierHits,
+    PoolGetRequest, PoolLookupReply, PoolLookupRequest, ShadowCheckResult, TierHits, UnitsWritten,
 )
 from kite_shared.tiers import metrics
 from kite_shared.tiers.block_stream import BlockStreamServer
 from kite_shared.tiers.handoff import HandoffFolder
-from kite_shared.tiers.keys import model_tag
+from kite_shared.tiers.keys import BlockKey, model_tag
 from kite_ru_pool.admin import PoolAdmin
 from kite_ru_pool.core import PoolCore
 from kite_ru_pool.reads import FoundBlocks
@@ -105,7 +106,8 @@ class PoolHandlers:
         takes each (a tier hit is promoted into that replica's hot tier)."""
         return self._block_path({op: subject for op, subject in (
             ("put", subjects.POOL_PUT), ("lookup", subjects.POOL_LOOKUP), ("get", subjects.POOL_GET),
-            ("admin", subjects.POOL_ADMIN))}) + [Endpoint(subjects.POOL_TIER_HITS, self.tier_hits)]
+            ("admin", subjects.POOL_ADMIN))}) + [Endpoint(subjects.POOL_TIER_HITS, self.tier_hits),
+                                                 Endpoint(subjects.POOL_UNITS_WRITTEN, self.units_written)]
 
     def own_endpoints(self) -> list[Endpoint]:
         """What reaches every replica: worker events, heartbeats and fingerprints; and this replica's own
@@ -155,6 +157,14 @@ class PoolHandlers:
 
     async def tier_hits(self, hits: TierHits) -> None:
         self.worker_hits.reported(hits.model_fingerprint, hits.tenant_tag, hits.block_hashes, hits.tiers)
+
+    async def units_written(self, notice: UnitsWritten) -> None:
+        if not len(notice.block_hashes) == len(notice.sizes) == len(notice.depths):
+            log.warning("dropped a units_written notice of worker %s: %d hashes, %d sizes, %d depths",
+                        notice.worker_id, len(notice.block_hashes), len(notice.sizes), len(notice.depths))
+            return
+        keys = [BlockKey.of(notice.model_fingerprint, h, notice.tenant_tag) for h in notice.block_hashes]
+        self.writes.units_written(keys, notice.sizes, notice.depths)
 
     async def _hand_off(self, found: FoundBlocks, inline_budget: int) -> PoolGetReply:
         """The units as files: the hot files that hold them when every one is in one (nothing written),

@@ -1,5 +1,6 @@
 """Writes: what enters the pool and how it moves down. A put (verify, admit, make room under the tenant's
-quota, store in hot, write through to warm), the hot tier kept in step with the index (what hot takes is
+quota, store in hot, write through to warm), a worker's notice of units it wrote into warm itself (admit,
+make room, index), the hot tier kept in step with the index (what hot takes is
 indexed; what it evicts is demoted to warm, or cold when warm is off or down), the demotions' writes,
 the deletions of dropped blocks, and the record of every change this replica makes to what warm and cold
 hold: in the index, and in the change log for the other replicas (`record_stored`, `record_missing`,
@@ -117,20 +118,9 @@ class PoolWrites:
         if unit is None:
             return "corrupt"
         key = BlockKey.of(unit.model_fingerprint, unit.block_hash, unit.tenant_tag)
-        decision = self.admit_put(key)
+        decision = self._admit_with_room(key, len(data))
         if decision != "store":
             return decision
-        drops = self.reserve_quota(key, len(data))
-        if drops is None:
-            metrics.POOL_QUOTA_REFUSED.inc()
-            log.info("refused a put of tenant %s: its pinned blocks fill its quota of %d bytes",
-                     key.tenant_tag, self.tenants.quota_of(key.tenant_tag))
-            return "over_quota"
-        if drops:
-            metrics.POOL_QUOTA_EVICTIONS.inc(len(drops))
-            self.changes.dropped(drop.key for drop in drops)
-            for drop in drops:
-                self.drop_stored(drop)
         data = bytes(data)
         self.store_hot(key, data, depth=unit.block_index)
         if self.io.warm is not None:
@@ -142,6 +132,46 @@ class PoolWrites:
         elif not self.index.tiers_of(key) & HOT and self.io.cold is not None:
             self.background.spawn(self.demote(Demote(key, data, COLD)), "cold write")
         return decision
+
+    def _admit_with_room(self, key: BlockKey, size: int) -> str:
+        """`admit_put`, then room under the tenant's quota for a block to store (its victims dropped and
+        deleted); "over_quota" when its pinned blocks leave none."""
+        decision = self.admit_put(key)
+        if decision != "store":
+            return decision
+        drops = self.reserve_quota(key, size)
+        if drops is None:
+            metrics.POOL_QUOTA_REFUSED.inc()
+            log.info("refused a block of tenant %s: its pinned blocks fill its quota of %d bytes",
+                     key.tenant_tag, self.tenants.quota_of(key.tenant_tag))
+            return "over_quota"
+        if drops:
+            metrics.POOL_QUOTA_EVICTIONS.inc(len(drops))
+            self.changes.dropped(drop.key for drop in drops)
+            for drop in drops:
+                self.drop_stored(drop)
+        return "store"
+
+    # --- units a worker wrote into warm itself -----------------------------------------------------------
+    def units_written(self, keys: list[BlockKey], sizes: list[int], depths: list[int]) -> list[str]:
+        """A worker wrote these units into warm itself (messages.UnitsWritten): each is admitted as a put
+        would be (a duplicate is only indexed as in warm too) and recorded as stored there, for this
+        index and the other replicas'; the decision of each is returned. What the rules refuse
+        (an invalidated model, a quota its pinned blocks fill) is deleted from warm again, in the
+        background. Neither verified nor copied into hot: the unit never passes through this process
+        (a reader verifies every unit it loads; a block read from warm is promoted by the readers'
+        reports, worker_hits.py)."""
+        decisions = []
+        for key, size, depth in zip(keys, sizes, depths):
+            decision = self._admit_with_room(key, size)
+            decisions.append(decision)
+            if decision in ("store", "duplicate"):
+                self.record_stored(key, WARM, size, depth=depth)
+                if self.index.is_pinned(key) and self.io.warm is not None:
+                    self.background.spawn(self.io.warm.set_pinned(key, True), "pin of a block written to warm")
+            elif self.io.warm is not None:
+                self.background.spawn(self.io.warm.delete(key), "deletion of a refused block written to warm")
+        return decisions
 
     def store_hot(self, key: BlockKey, data: bytes | memoryview, depth: int | None = None) -> bool:
         """`put_hot` now, counting its evictions and starting the demotions they need; what hot took

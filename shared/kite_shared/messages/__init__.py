@@ -18,7 +18,7 @@ from kite_shared.messages.requests import (  # noqa: F401
 from kite_shared.messages.pool import (  # noqa: F401
     BlockStored, BlockRemoved, BLOCK_EVENT, ModelFingerprintChanged, PoolLookupRequest, PoolLookupReply,
     PoolGetRequest, PoolGetReply, PoolAdminRequest, TierStats, TenantUsage, NamespaceStats, PoolAdminReply, IndexChange,
-    PoolIndexChanges, WorkerCachesRequest, WorkerCache, WorkerCachesReply, TierHits)
+    PoolIndexChanges, WorkerCachesRequest, WorkerCache, WorkerCachesReply, TierHits, UnitsWritten)
 from kite_shared.messages.control import (  # noqa: F401
     Heartbeat, Ping, Pong, TELEMETRY_SCHEMA, WritePolicy, RoutingMode, WRITE_POLICIES, ROUTING_MODES,
     Telemetry, WorkerTelemetry, PoolTelemetry, FingerprinterTelemetry, ArbitratorTelemetry,

@@ -62,6 +62,24 @@ class TierHits(Message):
     tiers: bytes = b""
 
 
+class UnitsWritten(Message):
+    """worker -> one ru-pool replica (subjects.POOL_UNITS_WRITTEN, queue group ru-pool): units this worker
+    wrote into a shared tier itself (KITE_WORKER_POOL_WRITE_PATH=direct) instead of sending them in puts.
+    The replica indexes them as stored there, under the tenant's quota, and tells the other replicas
+    (kite_ru_pool.writes.PoolWrites.units_written); what its rules refuse (an invalidated model, a full
+    quota) it deletes from the tier. One message per batch of one model and tenant; best-effort: a lost
+    notice leaves blocks the index does not know until the tier's next listing (a resync or a restart)."""
+
+    KIND: ClassVar[str] = "units_written"
+    worker_id: str = ""  # the writing worker (logs only)
+    model_fingerprint: str  # hex, the namespace's (the base model's or an adapter's)
+    tenant_tag: str  # the blocks' owner (kite_shared.security.tenant_tag), part of their storage keys
+    tier: Literal["warm"] = "warm"  # where the worker wrote them (only warm: cold is the pool's archive)
+    block_hashes: list[bytes]  # 32 bytes each
+    sizes: list[int]  # encoded bytes of each unit as written, in the order of block_hashes
+    depths: list[int]  # each block's index in its chain (the unit's block_index)
+
+
 class ModelFingerprintChanged(Message):
     """fingerprinter -> all (subjects.MODEL_FINGERPRINT): the fingerprint now current for a model name.
 

@@ -1,4 +1,5 @@
-"""NATS client of the ru-pool, for workers and tools: put, lookup, get, worker cache events, tier hits, admin.
+"""NATS client of the ru-pool, for workers and tools: put, lookup, get, worker cache events, tier hits, notices
+of units written into warm directly, admin.
 
 Never raises on a pool that is absent, slow or failing: lookups and gets return None / [] (a miss, so
 the caller computes), puts and events are fire-and-forget publishes. Bad arguments still raise.
@@ -23,7 +24,7 @@ from kite_shared.tiers import handoff as kite_handoff
 from kite_shared.tracing import headers_with_context
 from kite_shared.messages import (
     BlockRemoved, BlockStored, ModelFingerprintChanged, PoolAdminReply, PoolAdminRequest,
-    PoolGetReply, PoolGetRequest, PoolLookupReply, PoolLookupRequest, TierHits, decode_or_log,
+    PoolGetReply, PoolGetRequest, PoolLookupReply, PoolLookupRequest, TierHits, UnitsWritten, decode_or_log,
 )
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,10 @@ class PoolClient:
         except Exception as exc:  # connection closed or reconnecting: a lost report costs a promotion only
             log.debug("tier hit report not sent: %r", exc)
             return False
+
+    async def units_written(self, notice: UnitsWritten) -> None:
+        """Tell the pool about units this worker wrote into warm itself (kite_shared.tiers.unit_writer)."""
+        await self._publish(subjects.POOL_UNITS_WRITTEN, notice.encode())
 
     async def model_fingerprint_changed(self, model_name: str, fingerprint: str, previous: str = "") -> None:
         await self._publish(subjects.MODEL_FINGERPRINT, ModelFingerprintChanged(

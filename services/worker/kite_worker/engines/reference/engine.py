@@ -30,6 +30,7 @@ from kite_shared.messages import TokenizedRequest
 from kite_shared.model_store import LocalModel, ModelIdentity, load_causal_lm, load_tokenizer
 from kite_shared.security import ru_key
 from kite_shared.tiers.client import TierClient
+from kite_shared.tiers.unit_writer import unit_writer
 from kite_shared.tiers.pool_client import PoolClient
 from kite_worker.engines.base import EngineHooks, EngineLoad, Round
 from kite_worker.engines.reference.block_cache import BlockCache
@@ -50,7 +51,7 @@ POOL_LOAD_SECONDS = Histogram("kite_worker_pool_load_seconds", "Lookup + fetch t
 class ReferenceEngine:
     def __init__(self, model: ReferenceModel, max_running: int, max_queued: int, pool_read: bool,
                  pool_write: bool, shadow: ShadowVerifier | None = None, shadow_chunk_tokens: int = 32,
-                 shadow_idle_s: float = 0.2) -> None:
+                 shadow_idle_s: float = 0.2, pool_write_path: str = "direct") -> None:
         self.model = model
         self.scheduler = Scheduler(model, max_running, max_queued, shadow=shadow,
                                    shadow_chunk_tokens=shadow_chunk_tokens, shadow_idle_s=shadow_idle_s)
@@ -58,6 +59,7 @@ class ReferenceEngine:
         self.ttft_samples = self.scheduler.ttft_samples
         self.pool_read_enabled = pool_read  # KITE_WORKER_POOL_READ
         self.pool_write_enabled = pool_write  # KITE_WORKER_POOL_WRITE
+        self.pool_write_path = pool_write_path  # KITE_WORKER_POOL_WRITE_PATH
         self.outbox: PoolOutbox | None = None  # from `start`
         self.loader: PoolLoader | None = None  # from `start`, when this worker reads the pool
         self.tier_client: TierClient | None = None
@@ -81,7 +83,7 @@ class ReferenceEngine:
             adapters=adapters,
         )
         return cls(model, worker_cfg.max_running, worker_cfg.max_queued, worker_cfg.pool_read, worker_cfg.pool_write,
-                   shadow, worker_cfg.shadow_chunk_tokens, worker_cfg.shadow_idle_s)
+                   shadow, worker_cfg.shadow_chunk_tokens, worker_cfg.shadow_idle_s, worker_cfg.pool_write_path)
 
     # --- lifecycle ---------------------------------------------------------------------------------------
 
@@ -89,11 +91,16 @@ class ReferenceEngine:
         """Start the pool loader (reading the pool) and the outbox, then the engine thread; the configured
         adapters were attached when the model was built."""
         self._writes = hooks.writes
-        self.outbox = PoolOutbox(hooks.pool, hooks.writes, self.pool_write_enabled, asyncio.get_running_loop(),
-                                 tier_codecs=self.model.identity.execution.tier_codecs)
-        if self.pool_read_enabled and self.model.options.reuse:
-            self.tier_client = TierClient.from_config(load(TierConfig))
+        reads = self.pool_read_enabled and self.model.options.reuse
+        writes_warm = self.pool_write_enabled and self.pool_write_path == "direct"
+        if reads or writes_warm:
+            self.tier_client = TierClient.from_config(load(TierConfig), with_cold=reads)
             await self.tier_client.start()
+        writer = unit_writer(self.pool_write_path, hooks.pool,
+                             self.tier_client.warm if self.tier_client is not None else None, ru_key())
+        self.outbox = PoolOutbox(writer, hooks.pool, hooks.writes, self.pool_write_enabled,
+                                 asyncio.get_running_loop(), tier_codecs=self.model.identity.execution.tier_codecs)
+        if reads:
             self.loader = self._make_loader(hooks.pool)
         self.scheduler.start(hooks.emit, on_new_blocks=self.outbox.add_blocks,
                              on_cache_events=self.outbox.add_cache_events, on_shadow=hooks.on_shadow)

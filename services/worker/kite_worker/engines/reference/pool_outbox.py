@@ -5,7 +5,8 @@ cache (`add_cache_events`) without ever waiting; two rounds that the runtime run
 (`put_next_block`, `publish_next_cache_events`). The block outbox is bounded: when full, blocks are dropped
 rather than slowing generation (the local cache still has them). The drain waits for `flush`.
 
-Boundary: the pool client and the write policy in (each block and event names its model fingerprint:
+Boundary: the pool client, the unit writer (kite_shared.tiers.unit_writer: puts, or warm written directly)
+and the write policy in (each block and event names its model fingerprint:
 the base's or an adapter's); no scheduler, no model: the reference engine (engine.py) feeds it and
 lists its two rounds in `Engine.rounds`. (vLLM's KV connector saves blocks and reports cache events
 itself, inside vLLM's processes.)
@@ -23,6 +24,7 @@ from kite_shared.recyclable_unit import RecyclableUnit
 from kite_shared.security import ru_key
 from kite_shared.tier_codecs import TierCodecs
 from kite_shared.tiers.pool_client import PoolClient
+from kite_shared.tiers.unit_writer import UnitWriter
 from kite_worker import codec_tensors
 from kite_worker.engines.reference.block_cache import CacheEvent
 from kite_worker.engines.reference.model import NewBlock
@@ -36,8 +38,9 @@ _POLL_S = 0.25  # a thread waits this long for a block: never longer, so shutdow
 
 
 class PoolOutbox:
-    def __init__(self, pool: PoolClient, writes: WritePolicyFilter, enabled: bool,
+    def __init__(self, writer: UnitWriter, pool: PoolClient, writes: WritePolicyFilter, enabled: bool,
                  loop: asyncio.AbstractEventLoop, tier_codecs: TierCodecs = TierCodecs()) -> None:
+        self.writer = writer  # KITE_WORKER_POOL_WRITE_PATH: puts, or warm written here with a notice
         self.pool = pool
         self.writes = writes
         self.enabled = enabled  # KITE_WORKER_POOL_WRITE
@@ -72,7 +75,7 @@ class PoolOutbox:
             return
         try:
             data = await asyncio.to_thread(self.encode_block, block)
-            await self.pool.put(data)
+            await self.writer.put(data)
         finally:
             self._blocks.task_done()
 
@@ -94,6 +97,7 @@ class PoolOutbox:
         """Return once every block queued so far has been handed to the pool (or failed to be)."""
         while self._blocks.unfinished_tasks:
             await asyncio.sleep(0.05)
+        await self.writer.flush()
 
     def encode_block(self, block: NewBlock) -> bytes:
         return encode_block(block, self._ru_key, self.tier_codecs)

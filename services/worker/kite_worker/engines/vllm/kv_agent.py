@@ -44,6 +44,7 @@ from kite_shared.security import ru_key, tenant_tag
 from kite_shared.service import connect_nats, nats_auth_options
 from kite_shared.tier_codecs import TierCodecs
 from kite_shared.tiers.client import TierClient
+from kite_shared.tiers.unit_writer import UnitWriter, unit_writer
 from kite_shared.tiers.pool_client import DEFAULT_KEEP_MAPPED_BYTES, PoolClient
 from kite_worker import codec_tensors
 from kite_worker.engines.vllm.kv_plan import SavedBlockInfo
@@ -64,6 +65,7 @@ class AgentOptions:
     pool_read: bool
     pool_write: bool
     staging_bytes: int  # the staging arena's size: slots for staged loads (KITE_VLLM_STAGING_MIB)
+    pool_write_path: str = "direct"  # KITE_WORKER_POOL_WRITE_PATH (kite_shared.tiers.unit_writer)
     # How much of the pool's hot files stays mapped between fetches (KITE_WORKER_KEEP_MAPPED_MIB).
     keep_mapped_bytes: int = DEFAULT_KEEP_MAPPED_BYTES
     # The codec of each tier: units are saved in the hot tier's (KITE_KV_CODEC) and name the others';
@@ -84,6 +86,7 @@ class ConnectorOptions:
     pool_read: bool
     pool_write: bool
     staging_bytes: int  # the staging arena's size
+    pool_write_path: str = "direct"  # KITE_WORKER_POOL_WRITE_PATH
     keep_mapped_bytes: int = DEFAULT_KEEP_MAPPED_BYTES  # the pool's hot files kept mapped between fetches
     tier_codecs: TierCodecs = TierCodecs()  # in the extra config as its fingerprint form ("kv_codec")
 
@@ -92,18 +95,19 @@ class ConnectorOptions:
         return cls(model_fingerprint=extra["model_fingerprint"], worker_id=extra["worker_id"],
                    staging_dir=Path(extra["staging_dir"]), storage_dtype=getattr(torch, extra["storage_dtype"]),
                    pool_read=bool(extra["pool_read"]), pool_write=bool(extra["pool_write"]),
-                   staging_bytes=int(extra["staging_bytes"]),
+                   staging_bytes=int(extra["staging_bytes"]), pool_write_path=str(extra["pool_write_path"]),
                    keep_mapped_bytes=int(extra["keep_mapped_bytes"]),
                    tier_codecs=TierCodecs.from_fingerprint(str(extra.get("kv_codec", ""))))
 
     @staticmethod
     def extra_config(model_fingerprint: str, worker_id: str, staging_dir: Path, storage_dtype: str,
-                     pool_read: bool, pool_write: bool, staging_bytes: int,
+                     pool_read: bool, pool_write: bool, staging_bytes: int, pool_write_path: str = "direct",
                      keep_mapped_bytes: int = DEFAULT_KEEP_MAPPED_BYTES,
                      tier_codecs: TierCodecs = TierCodecs()) -> dict[str, Any]:
         return {"model_fingerprint": model_fingerprint, "worker_id": worker_id, "staging_dir": str(staging_dir),
                 "storage_dtype": storage_dtype, "pool_read": pool_read, "pool_write": pool_write,
-                "staging_bytes": staging_bytes, "keep_mapped_bytes": keep_mapped_bytes,
+                "staging_bytes": staging_bytes, "pool_write_path": pool_write_path,
+                "keep_mapped_bytes": keep_mapped_bytes,
                 "kv_codec": tier_codecs.fingerprint}
 
 
@@ -134,6 +138,7 @@ class KVAgent:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kite-kv-agent", daemon=True)
         self.pool: PoolClient | None = None
+        self.writer: UnitWriter | None = None  # where saved blocks go (KITE_WORKER_POOL_WRITE_PATH)
         self.loader: PoolLoader | None = None
         self.num_blocks_fetched = 0
         self.num_blocks_published = 0
@@ -158,9 +163,13 @@ class KVAgent:
                                stream_ssl=nats_auth_options(common).get("tls"),  # verified like NATS
                                keep_mapped_bytes=self.options.keep_mapped_bytes)
         tier_client = None
-        if self.options.pool_read:
-            tier_client = TierClient.from_config(load(TierConfig))
+        if self.options.pool_read or (self.options.pool_write and self.options.pool_write_path == "direct"):
+            tier_client = TierClient.from_config(load(TierConfig), with_cold=self.options.pool_read)
             await tier_client.start()
+        self.writer = unit_writer(self.options.pool_write_path, self.pool,
+                                  tier_client.warm if tier_client is not None else None, self._ru_key)
+        if not self.options.pool_read:
+            tier_client = None  # opened for the writer only: the loader asks the pool
         self.loader = PoolLoader(self.pool, tier_client, self.cost, self.options.model_fingerprint,
                                  self.options.unit_shape, self.options.storage_dtype, mac_key=self._ru_key,
                                  staging_bytes=0,  # staging is the files below, not the loader's memory
@@ -338,8 +347,9 @@ class KVAgent:
                 continue
             finally:
                 path.unlink(missing_ok=True)
-            if await self.pool.put(data):
+            if await self.writer.put(data):
                 stored.append(bytes(info.block_hash))
+        await self.writer.flush()  # one notice for the batch (a direct writer's)
         self.num_blocks_published += len(stored)
         log.debug("%d of %d saved blocks handed to the ru-pool", len(stored), len(infos))
 

@@ -165,7 +165,7 @@ class _SchedulerSide:
             block_size=self.block_size, unit_shape=unit_shape, storage_dtype=options.storage_dtype,
             staging_dir=options.staging_dir, pool_read=options.pool_read, pool_write=options.pool_write,
             staging_bytes=options.staging_bytes, keep_mapped_bytes=options.keep_mapped_bytes,
-            tier_codecs=options.tier_codecs))
+            tier_codecs=options.tier_codecs, pool_write_path=options.pool_write_path))
         self.agent.start()
         self.mirror = LocalBlockMirror()
         self._mirror_lock = threading.Lock()  # learned on the scheduler thread, read by the event listener

@@ -99,6 +99,7 @@ class VllmModel:
                     staging_dir=self.options.staging_dir, storage_dtype=self._model_cfg.kv_storage_dtype,
                     pool_read=self.options.pool_read, pool_write=self.options.pool_write,
                     staging_bytes=self._worker_cfg.vllm_staging_mib << 20,
+                    pool_write_path=self._worker_cfg.pool_write_path,
                     keep_mapped_bytes=self._worker_cfg.keep_mapped_mib << 20,
                     tier_codecs=self.identity.execution.tier_codecs))
         args = AsyncEngineArgs(
