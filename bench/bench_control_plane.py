@@ -14,7 +14,8 @@ apart and are not control plane):
 `--count-messages` also counts the NATS messages of each subject (a `>` subscriber: it adds its own load)
 in both windows, per second idle and per request under load.
 `--profile DIR` also samples each control-plane process with py-spy during the load (collapsed stacks,
-DIR/<group>-<pid>.txt) and prints each one's hottest functions by samples where they were on the CPU.
+DIR/<group>-<pid>.txt, and each worker's vLLM engine core on every busy thread) and prints each one's hottest
+functions by samples where they were on the CPU.
 
     python bench/bench_control_plane.py [--workers 1] [--requests 33] [--concurrency 4] [--idle-s 10]
                                         [--eager] [--write-path direct|pool] [--count-messages]
@@ -39,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nats
+import psutil
 
 from kite_cli.bench.fleet import kite_cpu
 from kite_cli.bench.vllm_peer import MODEL, Client, delta, kite_stack, questions
@@ -86,8 +88,18 @@ def code_path(checkout: Path | None) -> dict[str, str]:
 
 
 def profiled_pids(stack) -> dict[str, int]:
-    """Each control-plane Python process by a file-name-safe label."""
-    return {f"{p.name}-{p.process.pid}": p.process.pid for p in stack.processes if p.process.poll() is None}
+    """Each control-plane Python process by a file-name-safe label, and each worker's vLLM engine-core
+    process ("engine-core-<pid>"): its CPU per request is not control plane, but the KV connector's I/O
+    runs there, so its profile says what KITE adds to the model work."""
+    pids = {f"{p.name}-{p.process.pid}": p.process.pid for p in stack.processes if p.process.poll() is None}
+    for p in stack.processes:
+        if p.name == "worker" and p.process.poll() is None:
+            try:
+                children = psutil.Process(p.process.pid).children(recursive=True)
+            except psutil.Error:
+                continue
+            pids.update({f"engine-core-{c.pid}": c.pid for c in children})
+    return pids
 
 
 class MessageCounter:
@@ -142,8 +154,10 @@ def start_profilers(stack, out_dir: Path, duration_s: int) -> list[tuple[str, su
     running = []
     for label, pid in profiled_pids(stack).items():
         path = out_dir / f"{label}.txt"
-        # --gil: only samples of the thread holding the GIL, i.e. running Python (not waiting in epoll).
-        proc = subprocess.Popen([binary, "record", "--pid", str(pid), "--format", "raw", "--rate", "200", "--gil",
+        # --gil: only samples of the thread holding the GIL, i.e. running Python (not waiting in epoll). An
+        # engine core is sampled on every busy thread: its model work runs in torch's kernels without the GIL.
+        which = [] if label.startswith("engine-core-") else ["--gil"]
+        proc = subprocess.Popen([binary, "record", "--pid", str(pid), "--format", "raw", "--rate", "200", *which,
                                  "--duration", str(duration_s), "--nonblocking", "--output", str(path)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         running.append((label, proc, path))

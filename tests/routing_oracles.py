@@ -53,7 +53,7 @@ def candidates(live, now: float) -> list[WorkerState]:
         out.append(WorkerState(
             worker_id=w.worker_id, num_running=w.num_running, queue_depth=w.num_queued,
             running_tokens=t.running_tokens, backlog_tokens=t.prefill_backlog_tokens,
-            pending_tokens=sum(n for _, n in w.pending), pending_requests=len(w.pending),
+            pending_tokens=sum(p.tokens for p in w.pending.values()), pending_requests=len(w.pending),
             reads_pool=t.pool_read))
     return out
 

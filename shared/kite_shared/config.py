@@ -525,6 +525,11 @@ class FingerprinterConfig(_Admission, _MetricsPort, _Telemetry):
     router_session_ttl_s: float = env(
         "KITE_ROUTER_SESSION_TTL_S", "600", "Seconds a session id (`kite.session_id`) stays bound to the worker "
         "that served it.", minimum=1)
+    router_inflight_s: float = env(
+        "KITE_ROUTER_INFLIGHT_S", "10", "Seconds the blocks a request sent to a worker has to compute count as "
+        "held there for requests that share them (cache_aware; kite_shared.routing.InFlight): a fresh prefix "
+        "sent at once is computed once. By then the pool's index names the worker if it stored them; 0 "
+        "turns it off.", minimum=0)
 
     def __post_init__(self) -> None:
         if self.router_mode not in ("cache_aware", "least_loaded", "round_robin", "queue_group"):

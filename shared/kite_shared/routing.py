@@ -21,8 +21,20 @@ The algorithm (starting points: Dynamo's KV router cost and SGLang's cache-aware
    fed by the workers' BlockStored/BlockRemoved events); `pool` is how many the pool's tiers hold (a pool
    block still has to be fetched: Dynamo weights host-tier hits 0.75, so `pool_hit_weight` = 0.75);
    A worker that does not read from the pool (KITE_WORKER_POOL_READ=off) gets no pool credit.
-   `pending_blocks` is what this router sent to w since w's last telemetry (telemetry is ~1 s old, a burst
-   must not all go to the same worker). affinity_weight = Dynamo's prefill_load_scale (1.0), load_weight
+   `pending_blocks` is the prompts this router sent w (less blocks w computes for another request it was
+   sent) from its decision, before the admission's round trip, until w's telemetry names the request as
+   admitted (telemetry is up to ~1 s old, and a burst must not all go to the same worker).
+   In flight (fleet-wide dedup of a fresh prefix): blocks this router sent w to compute, not yet in the
+   pool's index (`InFlight`), count as held by w, and the ones w has not computed yet come off w's load:
+   a request that shares them waits for them on w about as long as it would take to compute them anywhere
+   else, so they are not a queue ahead of it. With `inflight(w)` the leading prompt blocks w holds or is
+   computing and `computing(w)` how many of them the router sent it to compute, `local(w)` in the credit
+   above is max(local(w), inflight(w)) and
+       load(w) -= min(computing(w), (backlog_tokens(w) + pending_tokens(w)) / block_size)
+   (vLLM names a block in its KV events as soon as it schedules it, so the index may already call w a
+   holder of blocks it is still computing: the backlog bounds what is still uncomputed).
+   so requests sent at once with one new prefix go to the worker computing it, and vLLM's own prefix cache
+   computes it once for all of them, until that worker's other work outweighs computing it elsewhere. affinity_weight = Dynamo's prefill_load_scale (1.0), load_weight
    1.0 (Dynamo adds decode blocks unweighted; llm-d weights prefix and load 1:1). The arbitrator may
    change both weights at run time. Lowest cost wins; ties go to the fewer requests, then the name.
 5. Fallback: no pool answer (timeout, no ru-pool) -> least-loaded (fewest requests, then fewest running
@@ -59,7 +71,9 @@ class WorkerState:
     queue_depth: int = 0
     running_tokens: int = 0
     backlog_tokens: int = 0  # admitted prompt tokens not computed yet
-    pending_tokens: int = 0  # prompt tokens this router sent since the worker's last telemetry
+    # prompt tokens (less blocks the worker computes for another request this router sent it) of the
+    # requests this router sent that the worker's telemetry has not named yet
+    pending_tokens: int = 0
     pending_requests: int = 0
     reads_pool: bool = True  # loads missing prefix blocks from the ru-pool (KITE_WORKER_POOL_READ)
 
@@ -84,6 +98,10 @@ class RouteRequest:
     session_worker: str = ""  # worker bound to the request's session id, if any
     local_blocks: Mapping[str, int] | None = None  # pool lookup `workers`; None = no pool answer
     pool_blocks: int = 0  # pool lookup `pool`
+    # From `InFlight.leading`, for each worker this router sent some of the prompt's blocks to compute:
+    # the leading prompt blocks it holds or is computing, and how many of those it was sent to compute.
+    inflight_blocks: Mapping[str, int] = field(default_factory=dict)
+    computing_blocks: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -114,10 +132,13 @@ def cost(w: WorkerState, req: RouteRequest, knobs: RoutingKnobs) -> float:
     bs = max(1, req.block_size)
     prompt_blocks = req.prompt_tokens / bs
     local = (req.local_blocks or {}).get(w.worker_id, 0)
+    held = max(local, req.inflight_blocks.get(w.worker_id, 0))
     pool_weight = knobs.pool_hit_weight if w.reads_pool else 0.0  # a pool block helps only a reader
-    credit = local + pool_weight * max(req.pool_blocks - local, 0)
+    credit = held + pool_weight * max(req.pool_blocks - held, 0)
     prefill = max(prompt_blocks - credit, 0.0)
-    load = (w.running_tokens + w.backlog_tokens + w.pending_tokens) / bs
+    # what it computes for others that this request shares: no queue ahead of it
+    shared = min(req.computing_blocks.get(w.worker_id, 0), (w.backlog_tokens + w.pending_tokens) / bs)
+    load = (w.running_tokens + w.backlog_tokens + w.pending_tokens) / bs - shared
     return knobs.affinity_weight * prefill + knobs.load_weight * load
 
 
@@ -247,6 +268,67 @@ class Candidates:
             self._by_load[kind] = heap
 
 
+class InFlight:
+    """Blocks a router sent workers to compute, each until `ttl_s` after it was sent: by then the worker
+    has stored it (its KV events make the pool's index name it a holder) or the router stops counting on
+    it. `leading` is what `RouteRequest.inflight_blocks` and `computing_blocks` want. Pure (the caller passes the clock); a
+    decision costs a dict lookup per prompt block; entries leave in expiry order (a heap), so sweeping
+    costs what expires."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._by_hash: dict[bytes, dict[str, float]] = {}  # block hash -> {worker id: expires}
+        self._expiries: list[tuple[float, bytes, str]] = []
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    def sent(self, worker_id: str, block_hashes: Sequence[bytes], first: int, now: float) -> None:
+        """`worker_id` computes `block_hashes[first:]` (those before `first` it holds or loads)."""
+        expires = now + self.ttl_s
+        for h in block_hashes[first:]:
+            self._by_hash.setdefault(h, {})[worker_id] = expires
+            heapq.heappush(self._expiries, (expires, h, worker_id))
+
+    def leading(self, block_hashes: Sequence[bytes], local: Mapping[str, int],
+                now: float) -> tuple[dict[str, int], dict[str, int]]:
+        """For each worker computing some of these blocks: (the leading blocks it holds (`local`, the pool
+        lookup's count) or is computing, how many of those it is computing), where it computes any."""
+        self._expire(now)
+        workers = {w for h in block_hashes if (held := self._by_hash.get(h)) for w in held}
+        lead, computing = {}, {}
+        for w in workers:
+            i = n = 0
+            held_before = local.get(w, 0)
+            while i < len(block_hashes):
+                if w in self._by_hash.get(block_hashes[i], ()):
+                    n += 1
+                elif i >= held_before:
+                    break
+                i += 1
+            if n:
+                lead[w], computing[w] = i, n
+        return lead, computing
+
+    def forget(self, worker_id: str) -> None:
+        """A worker gone: nothing is in flight on it (its heap entries expire as usual)."""
+        for h in [h for h, held in self._by_hash.items() if worker_id in held]:
+            held = self._by_hash[h]
+            del held[worker_id]
+            if not held:
+                del self._by_hash[h]
+
+    def _expire(self, now: float) -> None:
+        heap = self._expiries
+        while heap and heap[0][0] <= now:
+            expires, h, worker_id = heapq.heappop(heap)
+            held = self._by_hash.get(h)
+            if held is not None and held.get(worker_id) == expires:  # not sent again since
+                del held[worker_id]
+                if not held:
+                    del self._by_hash[h]
+
+
 def choose(workers: Sequence[WorkerState] | Candidates, req: RouteRequest, knobs: RoutingKnobs = RoutingKnobs(),
            mode: str = "cache_aware", rr_counter: int = 0) -> RouteChoice | None:
     """The worker for `req` among `workers` (the candidates), or None when there is none. Pass a
@@ -278,6 +360,8 @@ def choose(workers: Sequence[WorkerState] | Candidates, req: RouteRequest, knobs
         return rounded
 
     local = req.local_blocks
+    if req.inflight_blocks:
+        local = {**local, **{w: n for w, n in req.inflight_blocks.items() if n > local.get(w, 0)}}
     if knobs.load_weight > 0:
         for worker_id, num_blocks in local.items():
             w = workers.get(worker_id) if num_blocks > 0 else None

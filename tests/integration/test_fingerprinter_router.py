@@ -3,6 +3,7 @@ subscribers on their real subjects: what each worker receives, and when the pool
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import nats
@@ -52,5 +53,65 @@ async def test_the_pools_holding_seen_while_routing_travels_to_the_worker(nats_s
         await router.dispatch(tokenized("b"))
         assert len(lookups) == 1
         assert [r.pool_blocks for r in received["w1"] if r.request_id == "b"] == [-1]
+    finally:
+        await nc.close()
+
+
+async def test_requests_sharing_a_prefix_nobody_holds_yet_go_where_it_is_being_computed(nats_server):
+    """Four requests with the same two new blocks, dispatched at once (their pool lookups and admissions
+    overlap) before any telemetry or index update: the first worker is computing them, so the others
+    follow it (KITE_ROUTER_INFLIGHT_S); with the setting at 0 the second goes to the idle worker, which
+    computes them again."""
+    nc = await nats.connect(nats_server.url)
+    received: list[tuple[str, str]] = []
+
+    async def pool_lookup(msg):
+        await msg.respond(PoolLookupReply(pool=0, workers={}).encode())
+
+    def worker(worker_id: str):
+        async def on_generate(msg):
+            received.append((worker_id, TokenizedRequest.decode(msg.data).request_id))
+            await msg.respond(Admission(accepted=True, worker_id=worker_id).encode())
+        return on_generate
+
+    await nc.subscribe(subjects.POOL_LOOKUP, cb=pool_lookup)
+    for worker_id in ("w1", "w2"):
+        await nc.subscribe(subjects.worker_generate(worker_id), cb=worker(worker_id))
+    try:
+        for inflight_s, expected in ((10.0, ["w1"] * 4), (0.0, ["w1", "w2", "w1", "w2"])):
+            received.clear()
+            router = Router(nc, load(FingerprinterConfig, router_mode="cache_aware", router_inflight_s=inflight_s),
+                            worker_timeout_s=2.0)
+            for worker_id in ("w1", "w2"):
+                router.live.telemetry(WorkerTelemetry(instance_id=worker_id, max_running=8), time.monotonic())
+            admissions = await asyncio.gather(*(router.dispatch(tokenized(f"r{r}")) for r in range(4)))
+            assert all(a.accepted for a in admissions)
+            assert sorted(w for w, _ in received) == sorted(expected), inflight_s
+    finally:
+        await nc.close()
+
+
+async def test_without_a_pool_answer_blocks_in_flight_still_count(nats_server):
+    """No ru-pool answers the lookup: the first request goes to the least-loaded worker, and the next one
+    sharing its blocks follows it (the router's own record), not least-loaded."""
+    nc = await nats.connect(nats_server.url)
+    received: list[str] = []
+
+    def worker(worker_id: str):
+        async def on_generate(msg):
+            received.append(worker_id)
+            await msg.respond(Admission(accepted=True, worker_id=worker_id).encode())
+        return on_generate
+
+    for worker_id in ("w1", "w2"):
+        await nc.subscribe(subjects.worker_generate(worker_id), cb=worker(worker_id))
+    router = Router(nc, load(FingerprinterConfig, router_mode="cache_aware", router_lookup_timeout_s=0.01),
+                    worker_timeout_s=2.0)
+    try:
+        for worker_id in ("w1", "w2"):
+            router.live.telemetry(WorkerTelemetry(instance_id=worker_id, max_running=8), time.monotonic())
+        for r in range(2):
+            assert (await router.dispatch(tokenized(f"r{r}"))).accepted
+        assert received == ["w1", "w1"]
     finally:
         await nc.close()

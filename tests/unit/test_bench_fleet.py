@@ -24,7 +24,8 @@ def test_fleet_is_a_kite_bench_mode(capsys):
 
 def test_arguments_default_to_the_issue_setup_and_share_the_cores_out():
     args = fleet.parse_args([])
-    assert (args.workers, args.users, args.rounds, args.concurrency) == (2, 24, 3, [4, 8])
+    assert (args.workers, args.users, args.rounds, args.concurrency) == (2, 24, 3, [4, 8, 16])
+    assert (args.sessions, args.turns, args.session_concurrency, args.fresh_requests) == (8, 4, 4, 8)
     assert (args.kv_gib, args.documents, args.policies) == (0.4, 36, ["cache_aware", "round_robin", "kv_aware"])
     assert args.threads >= 1
     args = fleet.parse_args(["--workers", "3", "--threads", "2", "--policies", "round_robin", "--no-working-set"])

@@ -37,13 +37,34 @@ def test_live_workers_need_telemetry_leave_when_silent_and_rejoin():
 def test_live_workers_count_requests_sent_since_the_last_telemetry():
     live = LiveWorkers(timeout_s=5.0)
     live.telemetry(WorkerTelemetry(instance_id="w1", sent_at=100.0), now=0.0)
-    live.sent("w1", 300, at=100.5)
-    live.sent("w1", 200, at=100.6)
+    live.sent("w1", "r1", 300, at=100.5)
+    live.sent("w1", "r2", 200, at=100.6)
     w = live.candidates(0.1)[0]
     assert (w.pending_tokens, w.pending_requests) == (500, 2)
-    live.telemetry(WorkerTelemetry(instance_id="w1", sent_at=100.7, queue_depth=2), now=0.2)
+    live.telemetry(WorkerTelemetry(instance_id="w1", sent_at=100.7, queue_depth=2,
+                                   admitted_request_ids=["r1", "r2"]), now=0.2)
     w = live.candidates(0.2)[0]
     assert (w.pending_tokens, w.queue_depth) == (0, 2)  # now in the worker's own numbers
+
+
+def test_a_request_is_pending_until_the_telemetry_that_counts_it():
+    """The router counts a request as pending from its decision, before the admission's round trip, until
+    the worker's telemetry names it as admitted (and so counts it itself): never both at once, however the
+    admission's reply and the telemetry message interleave; a refusal takes it back; a telemetry message
+    that was lost leaves it until it is 5 s old."""
+    live = LiveWorkers(timeout_s=5.0)
+    live.telemetry(WorkerTelemetry(instance_id="w1", sent_at=100.0), now=0.0)
+    live.sent("w1", "admitted", 300, at=100.500)
+    live.sent("w1", "on its way", 200, at=100.501)
+    live.sent("w1", "refused", 100, at=100.502)
+    live.refused("w1", "refused")
+    assert live.candidates(0.1)[0].pending_tokens == 500
+    live.telemetry(WorkerTelemetry(instance_id="w1", sent_at=100.9, prefill_backlog_tokens=300,
+                                   admitted_request_ids=["admitted"]), now=0.2)
+    w = live.candidates(0.2)[0]
+    assert (w.pending_tokens, w.pending_requests, w.backlog_tokens) == (200, 1, 300)
+    live.telemetry(WorkerTelemetry(instance_id="w1", sent_at=105.6), now=0.3)
+    assert live.candidates(0.3)[0].pending_tokens == 0
 
 
 def block(h: bytes):

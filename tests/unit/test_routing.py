@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kite_shared.routing import RouteRequest, RoutingKnobs, WorkerState, choose, cost, imbalanced
+from kite_shared.routing import InFlight, RouteRequest, RoutingKnobs, WorkerState, choose, cost, imbalanced
 
 W = WorkerState
 BS = 16
@@ -63,6 +63,14 @@ CASES = [
     ("least_loaded mode",
      [W("a", queue_depth=1), W("b")], RouteRequest(320, BS, local_blocks={"a": 18}), RoutingKnobs(),
      "least_loaded", "b", "least_loaded"),
+    ("a worker computing the prefix now is a holder, its uncomputed share of it no queue",
+     [W("a"), W("b", pending_tokens=320, pending_requests=1)],
+     RouteRequest(336, BS, local_blocks={}, inflight_blocks={"b": 20}, computing_blocks={"b": 20}), RoutingKnobs(), "cache_aware", "b",
+     "cache_aware"),
+    ("in flight, but its other work outweighs computing the prefix elsewhere",
+     [W("a"), W("b", running_tokens=400, pending_tokens=320, pending_requests=1)],
+     RouteRequest(336, BS, local_blocks={}, inflight_blocks={"b": 20}, computing_blocks={"b": 20}), RoutingKnobs(), "cache_aware", "a",
+     "cache_aware"),
     ("equal cost -> name order",
      [W("b"), W("a")], RouteRequest(320, BS, local_blocks={}), RoutingKnobs(), "cache_aware", "a",
      "cache_aware"),
@@ -95,6 +103,68 @@ def test_round_robin_cycles():
 def test_cost_formula(local, pool, load_tokens, expected):
     req = RouteRequest(320, BS, local_blocks={"w": local}, pool_blocks=pool)
     assert cost(W("w", running_tokens=load_tokens), req, RoutingKnobs()) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("local,inflight,computing,running,uncomputed,expected", [
+    (0, 20, 20, 0, 320, 0.0),  # all 20 blocks in flight there and not computed yet: no prefill, no queue
+    (0, 20, 20, 160, 320, 10.0),  # its other running work still counts
+    (0, 10, 10, 0, 320, 10 + 20 - 10),  # 10 to compute; of its 20 uncomputed blocks 10 are this prefix's
+    (0, 20, 20, 0, 64, 0.0 + 4 - 4),  # only what is still uncomputed comes off the load
+    (12, 20, 8, 0, 320, 0.0 + 20 - 8),  # the 12 it holds were never load; the 8 in flight are
+    (20, 20, 20, 0, 320, 0.0 + 20 - 20),  # the index names it a holder of blocks it is still computing
+    (20, 0, 0, 0, 320, 0.0 + 20),  # held, none sent to it to compute: all of its backlog is a queue
+])
+def test_cost_formula_in_flight(local, inflight, computing, running, uncomputed, expected):
+    req = RouteRequest(320, BS, local_blocks={"w": local}, inflight_blocks={"w": inflight},
+                       computing_blocks={"w": computing})
+    w = W("w", running_tokens=running, backlog_tokens=uncomputed // 2, pending_tokens=uncomputed - uncomputed // 2)
+    assert cost(w, req, RoutingKnobs()) == pytest.approx(expected)
+
+
+def test_in_flight_blocks_lead_from_what_a_worker_holds_and_expire_in_order():
+    hashes = [bytes([i]) * 8 for i in range(6)]
+    inflight = InFlight(ttl_s=10.0)
+    inflight.sent("a", hashes, first=0, now=0.0)  # a computes all six
+    inflight.sent("b", hashes, first=2, now=5.0)  # b holds the first two (or loads them), computes the rest
+    assert inflight.leading(hashes, {}, now=1.0) == ({"a": 6}, {"a": 6})  # b's run does not start at block 0
+    assert inflight.leading(hashes, {"b": 2}, now=6.0) == ({"a": 6, "b": 6}, {"a": 6, "b": 4})
+    assert inflight.leading(hashes[:3] + [b"other" * 2], {"b": 2}, now=6.0) == ({"a": 3, "b": 3}, {"a": 3, "b": 1})
+    # the index names a a holder already (vLLM announces blocks as it schedules them): still computing
+    assert inflight.leading(hashes, {"a": 6, "b": 2}, now=6.0) == ({"a": 6, "b": 6}, {"a": 6, "b": 4})
+    assert inflight.leading(hashes, {"b": 2}, now=10.0) == ({"b": 6}, {"b": 4})  # a's entries expired at 10
+    assert len(inflight) == 4
+    inflight.sent("b", hashes, first=4, now=12.0)  # sent again: these two stay until 22
+    assert inflight.leading(hashes, {"b": 2}, now=14.0) == ({"b": 6}, {"b": 4})
+    assert inflight.leading(hashes, {"b": 4}, now=16.0) == ({"b": 6}, {"b": 2})  # blocks 2-3 expired at 15
+    assert inflight.leading(hashes, {"b": 2}, now=16.0) == ({}, {})
+    assert len(inflight) == 2
+    inflight.forget("b")
+    assert len(inflight) == 0 and inflight.leading(hashes, {}, now=17.0) == ({}, {})
+
+
+def test_a_fresh_prefix_sent_at_once_goes_to_the_worker_computing_it():
+    """Eight requests sharing 56 new blocks, each with one block of its own, on two idle workers: without
+    the in-flight credit the second goes to the other worker (which computes the prefix again); with it,
+    all eight go to the first, whose pending work grows by what each will compute (the router's `sent`)."""
+    prefix = [bytes([1, i]) for i in range(56)]
+    inflight = InFlight(ttl_s=10.0)
+    workers = {"a": W("a"), "b": W("b")}
+    picked = []
+    for r in range(8):
+        hashes = prefix + [bytes([2, r])]
+        held, computing = inflight.leading(hashes, {}, now=0.0)
+        choice = choose(list(workers.values()), RouteRequest(57 * BS, BS, local_blocks={}, inflight_blocks=held,
+                                                             computing_blocks=computing))
+        picked.append(choice.worker_id)
+        w = workers[choice.worker_id]
+        to_compute = (57 - held.get(w.worker_id, 0)) * BS
+        workers[w.worker_id] = W(w.worker_id, pending_tokens=w.pending_tokens + to_compute,
+                                 pending_requests=w.pending_requests + 1)
+        inflight.sent(choice.worker_id, hashes, first=0, now=0.0)
+    assert picked == ["a"] * 8
+    without = choose([W("a", pending_tokens=57 * BS, pending_requests=1), W("b")],
+                     RouteRequest(57 * BS, BS, local_blocks={}))
+    assert without.worker_id == "b"
 
 
 def test_imbalance_needs_both_thresholds():

@@ -104,8 +104,9 @@ def test_only_holders_and_the_least_loaded_non_holders_are_costed():
     assert choice.worker_id == oracle.choose(states, RouteRequest(320, BS, local_blocks={"w30": 3})).worker_id
 
 
-def telemetry(rng: random.Random, worker_id: str, sent_at: float) -> WorkerTelemetry:
+def telemetry(rng: random.Random, worker_id: str, sent_at: float, admitted: list[str] = ()) -> WorkerTelemetry:
     return WorkerTelemetry(instance_id=worker_id, sent_at=sent_at, num_running=rng.choice((0, 1, 2)),
+                           admitted_request_ids=list(admitted),
                            queue_depth=rng.choice((0, 0, 1, 40)), running_tokens=rng.choice((0, 32, 500)),
                            prefill_backlog_tokens=rng.choice((0, 16)), draining=rng.random() < 0.05,
                            standby=rng.random() < 0.05, healthy=rng.random() > 0.05,
@@ -125,13 +126,13 @@ def test_live_workers_keep_the_candidates_the_rebuild_finds(seed):
         w = rng.choice(ids)
         event = rng.random()
         if event < 0.35:
-            live.telemetry(telemetry(rng, w, 1000.0 + now), now)
+            live.telemetry(telemetry(rng, w, 1000.0 + now, [f"r{k}" for k in range(max(0, step - 4), step)]), now)
         elif event < 0.55:
             live.heartbeat(Heartbeat(service="worker", instance_id=w, started_at=0, sent_at=1000.0 + now,
                                      draining=rng.random() < 0.05, num_running=rng.choice((0, 1)),
                                      num_queued=rng.choice((0, 2))), now)
         elif event < 0.8:
-            live.sent(w, rng.choice((16, 300)), 1000.0 + now - rng.choice((0.0, 0.5)))
+            live.sent(w, f"r{step}", rng.choice((16, 300)), 1000.0 + now - rng.choice((0.0, 0.5)))
         elif event < 0.83:
             live.forget(w)
         asked = now + rng.choice((0.0, 0.0, 1.0, 4.99, 5.0, 5.01, 9.0))

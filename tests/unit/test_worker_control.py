@@ -86,7 +86,7 @@ async def test_activation_joins_and_the_first_accepted_request_measures_its_late
     control.rt.draining = False
     await control.on_decision(decision("warm_capacity", standby=False))
     assert worker.calls == ["join"] and control.standby is False
-    control.accepted()
+    control.accepted("r1")
     t = control.snapshot()
     assert t.activation_decision_id == "d1" and 0.2 < t.activation_latency_s < 5 and t.requests_accepted == 1
     await control.on_decision(decision("warm_capacity", standby=True))
@@ -114,7 +114,7 @@ async def test_telemetry_goes_out_at_start_on_a_change_and_when_asked_not_otherw
     assert not round_.done()  # nothing changed, the interval (60 s) is far
     worker.running = 1
     started = time.monotonic()
-    control.accepted()  # an idle worker admits a request: at once, not at the next poll
+    control.accepted("r1")  # an idle worker admits a request: at once, not at the next poll
     await asyncio.wait_for(round_, 1)
     assert time.monotonic() - started < 0.05 and bus.sent[-1].num_running == 1
     round_ = asyncio.ensure_future(control.publish_when_due())

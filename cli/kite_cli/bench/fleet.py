@@ -18,6 +18,9 @@ Scenarios:
   (b) a working set of `--documents` distinct ~1,000-token documents, more than the fleet's KV holds:
       every document once, then one at a time (TTFT), then 4 at a time (req/s); KITE and the routers'
       first policy.
+  (c) multi-turn sessions and (d) a fresh ~1,800-token prefix sent to the fleet at once
+      (fleet_scenarios.py): the share of each later turn's history reused; the prompt tokens computed
+      against the ideal (the prefix once); KITE and the routers' first policy.
 Beside them: the RSS of KITE's pool (ru-pool processes and the warm tier's redis-server), and the CPU
 seconds each process group used per request served during its own system's turns (KITE: gateway,
 fingerprinter, ru-pool, arbitrator, nats-server, redis-server, the workers' front ends and their vLLM
@@ -27,8 +30,9 @@ routing decisions by reason.
 On one host the pool lends hot blocks through shared memory, which flatters pool loads against a real
 fleet (the network path is measured elsewhere).
 
-    kite bench fleet [--workers 2] [--eager] [--users 24] [--rounds 3] [--concurrency 4 8]
+    kite bench fleet [--workers 2] [--eager] [--users 24] [--rounds 3] [--concurrency 4 8 16]
                      [--policies cache_aware round_robin kv_aware] [--documents 36] [--no-working-set]
+                     [--sessions 8] [--turns 4] [--fresh-requests 8]
                      [--json out.json]           (make bench-fleet)
 """
 
@@ -48,6 +52,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from kite_cli.bench import fleet_scenarios
 from kite_cli.bench.vllm_peer import (MODEL, Client, System, alternating_rounds, kite_stack, plain_vllm,
                                       print_levels, print_ratios, report_working_set, stop, wait_http,
                                       working_set)
@@ -71,13 +76,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eager", action="store_true", help="every engine without torch.compile")
     parser.add_argument("--users", type=int, default=24, help="requests per level, system and round")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--kv-gib", type=float, default=0.4, help="KV memory per worker (both fleets)")
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
                         help="vllm-router policies, one router each over the same servers")
     parser.add_argument("--documents", type=int, default=36, help="working set (scenario b)")
     parser.add_argument("--no-working-set", action="store_true", help="skip scenario (b)")
+    parser.add_argument("--sessions", type=int, default=8, help="multi-turn chats (scenario c; 0 skips it)")
+    parser.add_argument("--turns", type=int, default=4, help="questions per chat (scenario c)")
+    parser.add_argument("--session-concurrency", type=int, default=4, help="chats at a time (scenario c)")
+    parser.add_argument("--fresh-requests", type=int, default=8,
+                        help="requests over one fresh prefix sent at once (scenario d; 0 skips it)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if args.workers < 1 or args.rounds < 1 or args.users < 1:
@@ -397,11 +407,25 @@ def run(args, model_path: Path, log_dir: Path) -> dict:
             report_working_set(by_system, KITE, peer)
             print("KITE pool memory (RSS) after it: " + ", ".join(
                 f"{k} {v / 2**20:.0f} MiB" for k, v in results["pool_rss_after_working_set"].items()))
+        run_scenarios(args, systems, results)
     finally:
         peers.stop()
         if kite is not None:
             kite.stop()
     return results
+
+
+def run_scenarios(args, systems: dict[str, System], results: dict) -> None:
+    """Scenarios (c) and (d) on KITE and the routers' first policy, KITE first: each system sees the
+    scenario's prompts for the first time (a second policy's router would find its servers holding them)."""
+    names = [KITE, router_name(args.policies[0])]
+    multi = {name: fleet_scenarios.multi_turn(systems[name].client, args.sessions, args.turns,
+                                              args.session_concurrency, tag=name) for name in names
+             if args.sessions > 0}
+    fresh = {name: fleet_scenarios.fresh_prefix(systems[name].client, args.fresh_requests) for name in names
+             if args.fresh_requests > 0}
+    results.update(multi_turn=multi, fresh_prefix=fresh)
+    fleet_scenarios.report(multi, fresh, KITE)
 
 
 def main(argv: list[str] | None = None) -> int:

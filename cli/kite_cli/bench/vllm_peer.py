@@ -50,11 +50,12 @@ MAX_TOKENS = 16
 MODEL = "smollm2-135m-instruct"
 
 
-def document(d: int) -> str:
-    """About 1,000 tokens that share nothing with the other documents past their first words."""
+def document(d: int, sentences: int = 22) -> str:
+    """About 45-55 tokens a sentence (1,000 by default) that share nothing with the other documents past their
+    first words."""
     return f"Document {d}. " + " ".join(
         f"In year {1900 + d * 7 + i}, station {d * 31 + i} of district {d} recorded {i * d + 11} rentals and "
-        f"{(i + d) % 13} repairs, and its manager number {d * 1000 + i} filed report {d}-{i}." for i in range(22))
+        f"{(i + d) % 13} repairs, and its manager number {d * 1000 + i} filed report {d}-{i}." for i in range(sentences))
 
 
 def questions(count: int, offset: int = 0) -> list[str]:
@@ -82,11 +83,18 @@ class Client:
 
     def ask(self, question: str, system: str = SYSTEM_PROMPT) -> tuple[float, str, int]:
         """(time to first token, answer, cached prompt tokens)."""
+        reply = self.chat([{"role": "system", "content": system}, {"role": "user", "content": question}])
+        return reply.ttft_s, reply.answer, reply.cached_tokens
+
+    def chat(self, messages: list[dict], session_id: str = "") -> "Reply":
+        """One streamed, greedy chat completion of `messages`; `session_id` is sent as KITE's session
+        extension (`kite.session_id`), which plain vLLM ignores as it does every unknown field."""
         body = {"model": self.model, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": True,
-                "stream_options": {"include_usage": True},
-                "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+                "stream_options": {"include_usage": True}, "messages": messages}
+        if session_id:
+            body["kite"] = {"session_id": session_id}
         started = time.perf_counter()
-        ttft, parts, cached = None, [], 0
+        ttft, parts, usage = None, [], {}
         with self.http.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
                 r.read()
@@ -101,12 +109,26 @@ class Client:
                     if content and ttft is None:
                         ttft = time.perf_counter() - started
                     parts.append(content or "")
-                usage = event.get("usage")
-                if usage:
-                    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        ttft = ttft if ttft is not None else time.perf_counter() - started
-        self.served.append((worker, ttft, cached))
-        return ttft, "".join(parts), cached
+                usage = event.get("usage") or usage
+        reply = Reply(ttft_s=ttft if ttft is not None else time.perf_counter() - started, answer="".join(parts),
+                      prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                      completion_tokens=int(usage.get("completion_tokens") or 0),
+                      cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+                      worker=worker)
+        self.served.append((worker, reply.ttft_s, reply.cached_tokens))
+        return reply
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One chat completion as a client saw it."""
+
+    ttft_s: float  # from sending the request to the first content token
+    answer: str
+    prompt_tokens: int  # as the server's usage counts them
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from a cache (usage.prompt_tokens_details)
+    worker: str  # X-Kite-Worker ("" from plain vLLM)
 
 
 def run_level(client: Client, concurrency: int, users: int, offset: int) -> dict:

@@ -304,7 +304,8 @@ class FleetSim:
         return 1
 
     def _route(self, r: Request, now: float) -> str:
-        """kite_fingerprinter/router.py `Router._choose`, minus NATS: the worker id, or "" for none."""
+        """kite_fingerprinter/router.py `Router._choose`, minus NATS and minus its blocks in flight
+        (`routing.InFlight`, not modelled here yet): the worker id, or "" for none."""
         res = self.result
         candidates = self.candidates
         if not candidates:

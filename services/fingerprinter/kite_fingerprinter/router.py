@@ -28,7 +28,7 @@ from kite_shared.config import FingerprinterConfig
 from kite_shared.endpoints import Endpoint
 from kite_shared.messages import (ROUTING_MODES, Admission, Decision, ErrorInfo, Heartbeat, MessageError,
                                   TokenizedRequest, WorkerTelemetry)
-from kite_shared.routing import Candidates, RouteRequest, RoutingKnobs, WorkerState, choose
+from kite_shared.routing import Candidates, InFlight, RouteRequest, RoutingKnobs, WorkerState, choose
 from kite_shared.tiers.pool_client import PoolClient
 from kite_shared.window import TimeWindow
 
@@ -47,7 +47,13 @@ class _Worker:
     draining: bool = False
     num_running: int = 0
     num_queued: int = 0
-    pending: list[tuple[float, int]] = field(default_factory=list)  # (unix time sent, prompt tokens)
+    pending: dict[str, _Pending] = field(default_factory=dict)  # by request id: sent, not in its telemetry yet
+
+
+@dataclass(frozen=True)
+class _Pending:
+    sent_at: float  # unix time the router chose the worker
+    tokens: int  # prompt tokens the worker will compute
 
 
 class LiveWorkers:
@@ -77,15 +83,26 @@ class LiveWorkers:
         w = self._workers.setdefault(t.instance_id, _Worker(t.instance_id, now))
         w.seen, w.telemetry, w.draining = now, t, t.draining
         w.num_running, w.num_queued = t.num_running, t.queue_depth
-        # requests sent before this snapshot are in it (a small margin for the admission itself)
-        w.pending = [(at, n) for at, n in w.pending if at > t.sent_at - 0.02 and at > t.sent_at - _PENDING_MAX_AGE_S]
+        # In this snapshot: the requests it names as admitted since its previous one (a lost message leaves
+        # them until they are _PENDING_MAX_AGE_S old).
+        for request_id in t.admitted_request_ids:
+            w.pending.pop(request_id, None)
+        if w.pending:
+            w.pending = {r: p for r, p in w.pending.items() if p.sent_at > t.sent_at - _PENDING_MAX_AGE_S}
         self._heard(w)
         self._changed(w)
 
-    def sent(self, worker_id: str, tokens: int, at: float) -> None:
+    def sent(self, worker_id: str, request_id: str, tokens: int, at: float) -> None:
+        """The router sends `worker_id` a request with `tokens` to compute, at unix time `at`: its load
+        until the worker's telemetry names it (WorkerTelemetry.admitted_request_ids)."""
         w = self._workers.get(worker_id)
         if w is not None:
-            w.pending.append((at, tokens))
+            w.pending[request_id] = _Pending(at, tokens)
+            self._changed(w)
+
+    def refused(self, worker_id: str, request_id: str) -> None:
+        w = self._workers.get(worker_id)
+        if w is not None and w.pending.pop(request_id, None) is not None:
             self._changed(w)
 
     def forget(self, worker_id: str) -> None:
@@ -134,13 +151,24 @@ class LiveWorkers:
         return WorkerState(
             worker_id=w.worker_id, num_running=w.num_running, queue_depth=w.num_queued,
             running_tokens=t.running_tokens, backlog_tokens=t.prefill_backlog_tokens,
-            pending_tokens=sum(n for _, n in w.pending), pending_requests=len(w.pending),
+            pending_tokens=sum(p.tokens for p in w.pending.values()), pending_requests=len(w.pending),
             reads_pool=t.pool_read)
 
     def _rebuild(self, now: float) -> None:
         self._candidates = Candidates([s for w in self._workers.values() if (s := self._state(w, now)) is not None])
         self._by_seen = [(w.seen, w.worker_id) for w in self._workers.values()]
         heapq.heapify(self._by_seen)
+
+
+@dataclass(frozen=True)
+class _Route:
+    """One routing decision, kept until the worker's admission says who took the request."""
+
+    worker_id: str  # "" for the NATS queue group
+    reason: str
+    pool_blocks: int = -1  # the pool's leading blocks, -1 when it was not asked
+    held: dict[str, int] | None = None  # leading blocks each worker holds or is computing; None: not looked up
+    computing: dict[str, int] = field(default_factory=dict)  # of those, how many it computes for others
 
 
 class Router:
@@ -155,6 +183,7 @@ class Router:
                                   pool_hit_weight=cfg.router_pool_hit_weight)
         self.mode_override = ""
         self._sessions: dict[str, tuple[str, float]] = {}  # session id -> (worker, expires monotonic)
+        self.inflight = InFlight(cfg.router_inflight_s)  # blocks sent to workers to compute, not yet indexed
         self._rr = 0
         # Cache-aware decisions over the telemetry window: prompt blocks, and those the chosen worker
         # held or could load from the pool (FingerprinterTelemetry.routed_hit_rate).
@@ -204,33 +233,43 @@ class Router:
                        headers: dict | None = None) -> Admission:
         """Send `request` to the chosen worker (or the queue group) and return its admission."""
         now = time.monotonic()
-        worker_id, reason, pool_blocks = await self._choose(request, session_id, now)
+        route = await self._choose(request, session_id, now)
+        worker_id, reason, pool_blocks = route.worker_id, route.reason, route.pool_blocks
         if pool_blocks >= 0:
             request = request.model_copy(update={"pool_blocks": pool_blocks})
         if worker_id:
+            # Before the admission's round trip, so that the decisions taken meanwhile see this one's load
+            # and blocks in flight (a burst decides while the first admissions are on their way). A
+            # refusal takes the load back; its blocks stay in flight until KITE_ROUTER_INFLIGHT_S.
+            self._reserve(worker_id, request, route, now)
             admission = await self._ask(subjects.worker_generate(worker_id), request, headers)
             if admission is None:  # nobody on its subject: it died or went to standby
                 self.live.forget(worker_id)
+                self.inflight.forget(worker_id)
             elif admission.accepted or (admission.error and admission.error.code not in _REFUSALS_TO_RETRY):
                 ROUTED.labels(reason).inc()
                 if admission.accepted:
-                    self._accepted(admission.worker_id or worker_id, request, session_id, now)
+                    self._bind_session(session_id, admission.worker_id or worker_id, now)
+                else:
+                    self.live.refused(worker_id, request.request_id)
                 return admission
+            else:
+                self.live.refused(worker_id, request.request_id)
         ROUTED.labels("queue_group").inc()
         admission = await self._ask(subjects.WORKER_GENERATE, request, headers)
         if admission is None:
             return Admission(accepted=False, error=ErrorInfo(code="no_worker", message="No worker is available"))
         if admission.accepted:
-            self._accepted(admission.worker_id, request, session_id, now)
+            self._reserve(admission.worker_id, request, route, time.monotonic())  # any reservation above was refused
+            self._bind_session(session_id, admission.worker_id, now)
         return admission
 
-    async def _choose(self, request: TokenizedRequest, session_id: str, now: float) -> tuple[str, str, int]:
-        """(worker id or "" for the queue group, reason, the pool's leading blocks or -1 if not looked up)."""
+    async def _choose(self, request: TokenizedRequest, session_id: str, now: float) -> _Route:
         if self.mode == "queue_group":
-            return "", "queue_group", -1
+            return _Route("", "queue_group")
         candidates = self.live.view(now)
         if not candidates:
-            return "", "queue_group", -1
+            return _Route("", "queue_group")
         session_worker = ""
         if session_id:
             bound = self._sessions.get(session_id)
@@ -245,25 +284,49 @@ class Router:
                                                include_workers=True, timeout_s=self.cfg.router_lookup_timeout_s)
                 if reply is not None and not reply.invalidated:
                     local_blocks, pool_blocks = dict(reply.workers), reply.pool
+                elif reply is None and self.inflight.leading(request.block_hashes, {}, now)[0]:
+                    local_blocks = {}  # no answer in time: what this router sent to be computed still counts
+                candidates = self.live.view(time.monotonic())  # with the reservations made meanwhile
+        inflight, computing = {}, {}
+        if local_blocks is not None and request.block_hashes and len(self.inflight):
+            inflight, computing = self.inflight.leading(request.block_hashes, local_blocks, now)
         self._rr += 1
         choice = choose(candidates, RouteRequest(prompt_tokens=len(request.prompt_token_ids),
                                                  block_size=request.block_size, session_worker=session_worker,
-                                                 local_blocks=local_blocks, pool_blocks=max(0, pool_blocks)),
+                                                 local_blocks=local_blocks, pool_blocks=max(0, pool_blocks),
+                                                 inflight_blocks=inflight, computing_blocks=computing),
                         self.knobs, self.mode, rr_counter=self._rr)
+        held = None if local_blocks is None else {w: max(local_blocks.get(w, 0), inflight.get(w, 0))
+                                                  for w in {*local_blocks, *inflight}}
         if choice is None:
-            return "", "queue_group", pool_blocks
+            return _Route("", "queue_group", pool_blocks, held, computing)
         log.debug("route %s -> %s (%s) costs=%s", request.request_id, choice.worker_id, choice.reason, choice.costs)
         if local_blocks is not None and request.block_hashes:
             chosen = candidates.get(choice.worker_id)
-            cached = local_blocks.get(choice.worker_id, 0)
+            cached = max(local_blocks.get(choice.worker_id, 0), inflight.get(choice.worker_id, 0))
             if chosen.reads_pool:
                 cached = max(cached, pool_blocks)
             self.routed_prompt_blocks.add(now, len(request.block_hashes))
             self.routed_cached_blocks.add(now, cached)
-        return choice.worker_id, choice.reason, pool_blocks
+        return _Route(choice.worker_id, choice.reason, pool_blocks, held, computing)
 
-    def _accepted(self, worker_id: str, request: TokenizedRequest, session_id: str, now: float) -> None:
-        self.live.sent(worker_id, len(request.prompt_token_ids), time.time())
+    def _reserve(self, worker_id: str, request: TokenizedRequest, route: _Route, now: float) -> None:
+        """`worker_id` gets `request`. What it will compute (past the blocks it holds, is computing already
+        for others, or loads) is in flight there. Its pending load is its prompt (the KV positions it will
+        hold, as `running_tokens` counts them once telemetry reports it) less the blocks another request
+        sent there is computing: those are that request's load already."""
+        first = 0
+        if request.block_hashes and request.reuse:
+            if route.held is not None:  # else the pool did not answer: all of it, as far as the router knows
+                state = self.live.view(time.monotonic()).get(worker_id)  # not `now`: an older time rebuilds it
+                first = max(route.held.get(worker_id, 0),
+                            route.pool_blocks if state is None or state.reads_pool else 0)
+            if self.inflight.ttl_s > 0 and self.mode == "cache_aware":
+                self.inflight.sent(worker_id, request.block_hashes, first, now)
+        shared = route.computing.get(worker_id, 0) * request.block_size
+        self.live.sent(worker_id, request.request_id, max(0, len(request.prompt_token_ids) - shared), time.time())
+
+    def _bind_session(self, session_id: str, worker_id: str, now: float) -> None:
         if session_id:
             self._sessions[session_id] = (worker_id, now + self.cfg.router_session_ttl_s)
             if len(self._sessions) > 100_000:  # bound memory: drop expired bindings

@@ -104,6 +104,7 @@ class WorkerControl:
         self._ttft = TimeWindow(window_s)  # seconds to first token, one sample per request
         self._hits: deque[tuple[float, int, int]] = deque()  # (monotonic, reused, computed) snapshots
         self._accepted = 0
+        self._admitted_ids: deque[str] = deque(maxlen=1000)  # since the last telemetry message
         self._activation: tuple[str, float] | None = None  # (decision id, issued_at) awaiting a request
         self._activation_id = ""
         self._activation_latency: float | None = None
@@ -120,9 +121,10 @@ class WorkerControl:
         else:
             await self.worker.join()
 
-    def accepted(self) -> None:
+    def accepted(self, request_id: str) -> None:
         """A request was admitted (the first one after an activation measures its latency)."""
         self._accepted += 1
+        self._admitted_ids.append(request_id)
         if self._idle_when_sent():
             self.publish_soon()  # the loop waits for nothing else while idle (publish_when_due)
         if self._activation is not None:
@@ -185,8 +187,14 @@ class WorkerControl:
             ttft_p99_s=round(self._ttft.percentile(now, 0.99), 4), ttft_samples=self._ttft.count(now), healthy=load.healthy and not self.rt.draining,
             standby=self.standby, draining=self.rt.draining, write_policy=self.writes.policy,
             pool_read=load.pool_read,
-            requests_accepted=self._accepted, activation_decision_id=self._activation_id,
+            requests_accepted=self._accepted, admitted_request_ids=self._take_admitted_ids(),
+            activation_decision_id=self._activation_id,
             activation_latency_s=self._activation_latency)
+
+    def _take_admitted_ids(self) -> list[str]:
+        ids = list(self._admitted_ids)
+        self._admitted_ids.clear()
+        return ids
 
     def _memory_used_fraction(self, now: float) -> float:
         fraction, read_at = self._memory_used

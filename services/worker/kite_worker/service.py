@@ -185,7 +185,7 @@ class WorkerService:
             trace.get_current_span().set_attribute("kite.rejected", exc.code)
             raise Refusal(ErrorInfo(code=exc.code, message=str(exc))) from None
         REQUESTS.labels("accepted").inc()
-        self.control.accepted()
+        self.control.accepted(request.request_id)
         # The generation's span (a child of the admission's) ends when its last stream event is published;
         # the pool lookups it makes are its children (PoolClient sends the current context).
         span = tracer().start_span("kite.worker.generate")

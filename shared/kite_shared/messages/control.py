@@ -99,6 +99,9 @@ class WorkerTelemetry(Telemetry):
     write_policy: str = "write_through"  # the Upcycle write policy in force
     pool_read: bool = True  # loads missing prefix blocks from the ru-pool (routing credits pool hits)
     requests_accepted: int = 0  # lifetime
+    # Requests admitted since this worker's previous telemetry message (the newest 1,000), counted in this
+    # one's load: a router stops counting them as sent-but-unreported (it counts from its decision on).
+    admitted_request_ids: list[str] = Field(default_factory=list)
     # warm capacity: the decision that activated this worker and decision -> first accepted request
     activation_decision_id: str = ""
     activation_latency_s: float | None = None
