@@ -24,6 +24,9 @@ The algorithm (starting points: Dynamo's KV router cost and SGLang's cache-aware
    `pending_blocks` is the prompts this router sent w (less blocks w computes for another request it was
    sent) from its decision, before the admission's round trip, until w's telemetry names the request as
    admitted (telemetry is up to ~1 s old, and a burst must not all go to the same worker).
+   affinity_weight = Dynamo's prefill_load_scale (1.0), load_weight 1.0 (Dynamo adds decode blocks
+   unweighted; llm-d weights prefix and load 1:1). The arbitrator may change both weights at run time.
+   Lowest cost wins; ties go to the fewer requests, then the name.
    In flight (fleet-wide dedup of a fresh prefix): blocks this router sent w to compute, not yet in the
    pool's index (`InFlight`), count as held by w, and the ones w has not computed yet come off w's load:
    a request that shares them waits for them on w about as long as it would take to compute them anywhere
@@ -31,14 +34,13 @@ The algorithm (starting points: Dynamo's KV router cost and SGLang's cache-aware
    computing and `computing(w)` how many of them the router sent it to compute, `local(w)` in the credit
    above is max(local(w), inflight(w)) and
        load(w) -= min(computing(w), (backlog_tokens(w) + pending_tokens(w)) / block_size)
-   (vLLM names a block in its KV events as soon as it schedules it, so the index may already call w a
-   holder of blocks it is still computing: the backlog bounds what is still uncomputed).
-   so requests sent at once with one new prefix go to the worker computing it, and vLLM's own prefix cache
-   computes it once for all of them, until that worker's other work outweighs computing it elsewhere. affinity_weight = Dynamo's prefill_load_scale (1.0), load_weight
-   1.0 (Dynamo adds decode blocks unweighted; llm-d weights prefix and load 1:1). The arbitrator may
-   change both weights at run time. Lowest cost wins; ties go to the fewer requests, then the name.
+   (the pool's index may name w a holder of blocks it is still computing, once its engine reports them:
+   the backlog bounds what is still uncomputed). So requests sent at once with one new prefix go to the
+   worker computing it, and vLLM's own prefix cache computes it once for all of them, until that worker's
+   other work outweighs computing it elsewhere.
 5. Fallback: no pool answer (timeout, no ru-pool) -> least-loaded (fewest requests, then fewest running
-   tokens), after session affinity. Modes `least_loaded` and `round_robin` skip steps 2-4 (round robin
+   tokens), after session affinity; but when some of the prompt's blocks are in flight, the cost of step 4
+   with nothing held but them (the router's own record). Modes `least_loaded` and `round_robin` skip steps 2-4 (round robin
    exists to measure what cache awareness buys, bench/bench_routing.py).
 
 Cost per decision (issue 38): the candidates are a `Candidates`, kept as workers report (not rebuilt per

@@ -53,7 +53,7 @@ class _Worker:
 @dataclass(frozen=True)
 class _Pending:
     sent_at: float  # unix time the router chose the worker
-    tokens: int  # prompt tokens the worker will compute
+    tokens: int  # its prompt tokens, less blocks the worker computes for another request
 
 
 class LiveWorkers:
