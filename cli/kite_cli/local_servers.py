@@ -6,6 +6,7 @@ it never depends on, or disturbs, servers already running on the machine.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import shutil
@@ -17,6 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
+
+log = logging.getLogger(__name__)
 
 
 class ServerStartError(RuntimeError):
@@ -120,16 +123,26 @@ NATS_MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 
 
 def _launch(name: str, argv: list[str], port: int, workdir: Path, log_file: Path | None,
-            env: dict[str, str] | None = None) -> LocalServer:
-    out = log_file.open("ab") if log_file else subprocess.DEVNULL
-    server = LocalServer(name, port, subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                                      preexec_fn=die_with_parent), workdir)
-    try:
-        wait_for_port(port, server.process, 10.0, name)
-    except ServerStartError:
-        server.stop()
-        raise
-    return server
+            env: dict[str, str] | None = None, attempts: int = 2) -> LocalServer:
+    """Start the server and wait until it listens. One that exits before listening is started once more
+    (a nats-server aborted at start once in a loaded CI run, 2026-12-07), and the error, if it fails
+    again, ends with the tail of its output (kept in `workdir` when no `log_file` is given)."""
+    log_file = log_file or workdir / f"{name}.log"
+    for attempt in range(1, attempts + 1):
+        with log_file.open("ab") as out:
+            server = LocalServer(name, port, subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                                              preexec_fn=die_with_parent), workdir)
+        try:
+            wait_for_port(port, server.process, 10.0, name)
+            return server
+        except ServerStartError as exc:
+            exited = server.process.poll() is not None  # else it hung: not tried again
+            tail = log_file.read_bytes()[-2000:].decode(errors="replace").strip() if log_file.exists() else ""
+            if attempt == attempts or not exited:
+                server.stop()
+                raise ServerStartError(f"{exc}; its output ended with:\n{tail}") from None
+            log.warning("%s (attempt %d of %d); its output ended with: %s", exc, attempt, attempts, tail[-500:])
+    raise AssertionError("unreachable")
 
 
 def start_nats(port: int | None = None, jetstream: bool = True, log_file: Path | None = None,
