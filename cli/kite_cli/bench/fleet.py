@@ -21,6 +21,9 @@ Scenarios:
   (c) multi-turn sessions and (d) a fresh ~1,800-token prefix sent to the fleet at once
       (fleet_scenarios.py): the share of each later turn's history reused; the prompt tokens computed
       against the ideal (the prefix once); KITE and the routers' first policy.
+  (e) fleet events under the hot-prompt load, KITE's fleet only (fleet_events.py, `--events`): a worker
+      killed mid-run and a fresh one joining in its place, then a rolling restart of every worker; failed
+      and migrated requests, the joining worker's reuse, answers against the peer fleet's.
 Beside them: the RSS of KITE's pool (ru-pool processes and the warm tier's redis-server), and the CPU
 seconds each process group used per request served during its own system's turns (KITE: gateway,
 fingerprinter, ru-pool, arbitrator, nats-server, redis-server, the workers' front ends and their vLLM
@@ -33,6 +36,7 @@ fleet (the network path is measured elsewhere).
     kite bench fleet [--workers 2] [--eager] [--users 24] [--rounds 3] [--concurrency 4 8 16]
                      [--policies cache_aware round_robin kv_aware] [--documents 36] [--no-working-set]
                      [--sessions 8] [--turns 4] [--fresh-requests 8]
+                     [--events kill_and_join rolling_restart] [--event-concurrency 4]
                      [--json out.json]           (make bench-fleet)
 """
 
@@ -52,7 +56,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from kite_cli.bench import fleet_scenarios
+from kite_cli.bench import fleet_events, fleet_scenarios
 from kite_cli.bench.vllm_peer import (MODEL, Client, System, alternating_rounds, kite_stack, plain_vllm,
                                       print_levels, print_ratios, report_working_set, stop, wait_http,
                                       working_set)
@@ -60,6 +64,7 @@ from kite_cli.local_servers import free_port
 from kite_cli.stack import LocalStack, core_sets, default_threads
 
 POLICIES = ("cache_aware", "round_robin", "kv_aware")
+EVENTS = ("kill_and_join", "rolling_restart")
 KITE = "kite"
 
 
@@ -88,6 +93,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--session-concurrency", type=int, default=4, help="chats at a time (scenario c)")
     parser.add_argument("--fresh-requests", type=int, default=8,
                         help="requests over one fresh prefix sent at once (scenario d; 0 skips it)")
+    parser.add_argument("--events", nargs="*", choices=EVENTS, default=list(EVENTS),
+                        help="fleet events under load, KITE only (scenario e; none: --events with no name)")
+    parser.add_argument("--event-concurrency", type=int, default=4, help="users of the events' load")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if args.workers < 1 or args.rounds < 1 or args.users < 1:
@@ -408,6 +416,7 @@ def run(args, model_path: Path, log_dir: Path) -> dict:
             print("KITE pool memory (RSS) after it: " + ", ".join(
                 f"{k} {v / 2**20:.0f} MiB" for k, v in results["pool_rss_after_working_set"].items()))
         run_scenarios(args, systems, results)
+        run_events(args, kite, systems, results)
     finally:
         peers.stop()
         if kite is not None:
@@ -426,6 +435,28 @@ def run_scenarios(args, systems: dict[str, System], results: dict) -> None:
              if args.fresh_requests > 0}
     results.update(multi_turn=multi, fresh_prefix=fresh)
     fleet_scenarios.report(multi, fresh, KITE)
+
+
+def run_events(args, kite: LocalStack, systems: dict[str, System], results: dict) -> None:
+    """Scenario (e), last: it replaces KITE's workers."""
+    if not args.events:
+        return
+    client = systems[KITE].client
+
+    def migrations() -> float:
+        reply = httpx.get(client.url + "/metrics", timeout=5)
+        reply.raise_for_status()
+        return sum_samples(reply.text, "kite_gateway_migrations_total")
+
+    events = {}
+    if "kill_and_join" in args.events:
+        events["kill_and_join"] = fleet_events.kill_and_join(kite, client, args.event_concurrency, migrations)
+    if "rolling_restart" in args.events:
+        events["rolling_restart"] = fleet_events.rolling_restart(kite, client, args.event_concurrency)
+    peer = router_name(args.policies[0])
+    reference = fleet_events.reference_answers(systems[peer].client, events, 2 * args.event_concurrency)
+    results["events"] = events
+    fleet_events.report(events, reference, peer)
 
 
 def main(argv: list[str] | None = None) -> int:

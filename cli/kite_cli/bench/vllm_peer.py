@@ -104,6 +104,8 @@ class Client:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 event = json.loads(line[6:])
+                if "error" in event:  # the stream failed after it began (a 200 was already sent)
+                    raise RuntimeError(f"stream error: {event['error']}")
                 for choice in event.get("choices") or []:
                     content = (choice.get("delta") or {}).get("content")
                     if content and ttft is None:
