@@ -9,8 +9,8 @@ import os
 import pytest
 
 from kite_cli.bench import fleet
-from kite_cli.bench.vllm_peer import (System, alternating_rounds, delta, idle_cpu, per_worker_ttft, pooled,
-                                      round_order)
+from kite_cli.bench.vllm_peer import (Reply, System, alternating_rounds, delta, idle_cpu, per_worker_ttft,
+                                      pooled, round_order)
 
 
 def test_fleet_is_a_kite_bench_mode(capsys):
@@ -67,7 +67,8 @@ class _FakeClient:
         self.worker, self.ttft, self.served = worker, ttft, []
 
     def ask(self, question: str, system: str = "") -> tuple[float, str, int]:
-        self.served.append((self.worker, self.ttft, 7))
+        self.served.append(Reply(ttft_s=self.ttft, answer=f"answer to {question}", prompt_tokens=9,
+                                 completion_tokens=4, cached_tokens=7, worker=self.worker))
         return self.ttft, f"answer to {question}", 7
 
 
@@ -118,8 +119,9 @@ def test_pooled_levels_take_percentiles_of_every_request_and_rate_over_total_wal
     assert out["ttft_p50_s"] == pytest.approx(0.25)
     assert out["ttft_p90_s"] == pytest.approx(0.3)  # index int(0.9 * 3) = 2 of [0.1, 0.2, 0.3, 0.9]
     assert out["mean_cached_tokens"] == 15
-    assert per_worker_ttft([("w1", 0.1, 0), ("w2", 0.5, 0), ("w1", 0.3, 0), ("", 9.0, 0)]) == \
-        {"w1": pytest.approx(0.2), "w2": 0.5}
+    replies = [Reply(ttft_s=ttft, answer="", prompt_tokens=9, completion_tokens=4, cached_tokens=0, worker=worker)
+               for worker, ttft in (("w1", 0.1), ("w2", 0.5), ("w1", 0.3), ("", 9.0))]
+    assert per_worker_ttft(replies) == {"w1": pytest.approx(0.2), "w2": 0.5}
 
 
 def test_cpu_per_request_and_the_control_plane_leave_the_engine_cores_apart():

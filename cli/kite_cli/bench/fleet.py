@@ -259,7 +259,7 @@ def samples_by_url(text: str, metric: str) -> dict[str, float]:
 
 
 def kite_requests_by_worker(client: Client) -> dict[str, float]:
-    return dict(Counter(worker for worker, _, _ in client.served))
+    return dict(Counter(reply.worker for reply in client.served))
 
 
 # ------------------------------------------------------------------------------------------ reports

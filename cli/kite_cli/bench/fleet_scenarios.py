@@ -17,6 +17,7 @@ a system reuses is what it kept of this scenario's own requests; the greedy answ
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 from kite_cli.bench.vllm_peer import Client, Reply, document
@@ -66,13 +67,11 @@ def fresh_prefix(client: Client, num_requests: int) -> dict:
                                                        {"role": "user", "content": q}]), questions))
     probe = client.chat([{"role": "system", "content": prefix},
                          {"role": "user", "content": "Which district is this document about?"}])
-    spread: dict[str, int] = {}
-    for r in replies:
-        spread[r.worker or "?"] = spread.get(r.worker or "?", 0) + 1
+    spread = Counter(r.worker or "?" for r in replies)
     return {"requests": num_requests, "prompt_tokens": sum(r.prompt_tokens for r in replies),
             "computed_tokens": sum(r.prompt_tokens - r.cached_tokens for r in replies),
             "probe_cached_tokens": probe.cached_tokens, "ttft_p50_s": statistics.median(r.ttft_s for r in replies),
-            "ttft_max_s": max(r.ttft_s for r in replies), "per_worker_requests": spread,
+            "ttft_max_s": max(r.ttft_s for r in replies), "per_worker_requests": dict(spread),
             "answers": [r.answer for r in replies]}
 
 

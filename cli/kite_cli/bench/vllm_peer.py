@@ -70,9 +70,9 @@ class Client:
         self.url = url.rstrip("/")
         self.model = model
         self.http = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=64))
-        # (X-Kite-Worker or "", TTFT, cached tokens) of every `ask`, in completion order: which worker of a
-        # KITE fleet served what (list.append is atomic, and `ask` runs on pool threads).
-        self.served: list[tuple[str, float, int]] = []
+        # Every reply, in completion order: which worker of a KITE fleet served what (list.append is
+        # atomic, and `chat` runs on pool threads).
+        self.served: list[Reply] = []
 
     def warm_up(self) -> None:
         """One short unrelated request: a fresh engine's first forward passes are slow for reasons that
@@ -117,7 +117,7 @@ class Client:
                       completion_tokens=int(usage.get("completion_tokens") or 0),
                       cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
                       worker=worker)
-        self.served.append((worker, reply.ttft_s, reply.cached_tokens))
+        self.served.append(reply)
         return reply
 
 
@@ -148,12 +148,12 @@ def run_level(client: Client, concurrency: int, users: int, offset: int) -> dict
             "answers": {q: r[1] for q, r in zip(qs, results)}}
 
 
-def per_worker_ttft(served: list[tuple[str, float, int]]) -> dict[str, float]:
+def per_worker_ttft(served: list[Reply]) -> dict[str, float]:
     """TTFT p50 of each worker that a response named (X-Kite-Worker; none for plain vLLM)."""
     by_worker: dict[str, list[float]] = {}
-    for worker, ttft, _ in served:
-        if worker:
-            by_worker.setdefault(worker, []).append(ttft)
+    for reply in served:
+        if reply.worker:
+            by_worker.setdefault(reply.worker, []).append(reply.ttft_s)
     return {w: statistics.median(t) for w, t in sorted(by_worker.items())}
 
 
