@@ -125,8 +125,10 @@ NATS_MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 def _launch(name: str, argv: list[str], port: int, workdir: Path, log_file: Path | None,
             env: dict[str, str] | None = None, attempts: int = 2) -> LocalServer:
     """Start the server and wait until it listens. One that exits before listening is started once more
-    (a nats-server aborted at start once in a loaded CI run, 2026-12-07), and the error, if it fails
-    again, ends with the tail of its output (kept in `workdir` when no `log_file` is given)."""
+    (another process may take a free port between `free_port` and the bind; and a nats-server died at start
+    once in a CI run, 2026-12-07, most likely killed before exec by gRPC's fork handlers, off since: see
+    kite_cli/__init__.py), and the error, if it fails again, ends with the tail of its output (kept in
+    `workdir` when no `log_file` is given)."""
     log_file = log_file or workdir / f"{name}.log"
     for attempt in range(1, attempts + 1):
         with log_file.open("ab") as out:

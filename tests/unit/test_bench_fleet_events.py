@@ -5,6 +5,9 @@ workers of a running fleet and are run by hand (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import math
+import os
+import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -15,6 +18,7 @@ from kite_cli.bench import fleet_events
 from kite_cli.bench.fleet_events import Sent
 from kite_cli.bench.vllm_peer import SYSTEM_PROMPT, Reply, questions
 from kite_cli.stack import ServiceProcess
+from tests.helpers import wait_until
 
 
 def reply(prompt: int, cached: int, worker: str = "worker-1", answer: str = "a") -> Reply:
@@ -78,3 +82,22 @@ def test_answers_are_compared_question_by_question():
 def test_a_workers_index_is_its_instance_number_from_zero_as_worker_cores_counts():
     proc = ServiceProcess("worker", process=None, log_path=Path("/tmp/logs/worker-3.log"))
     assert fleet_events.worker_index(proc) == 2
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_the_peer_kill_kills_the_servers_whole_process_group_under_load():
+    # A stand-in server whose child (as vLLM's engine core is the API server's) must die with it.
+    server = subprocess.Popen(["sh", "-c", "sleep 600 & wait"], start_new_session=True)
+    client = FlakyClient()
+    result = fleet_events.kill_peer(server, client, concurrency=2, settle_s=0.2)
+    assert server.returncode == -signal.SIGKILL
+    wait_until(lambda: not group_alive(server.pid), 10, "the server's child gone (reaped once killed)")
+    assert result["requests"] == client.count > 0
+    assert result["failed"] == client.count // 3

@@ -23,7 +23,8 @@ Scenarios:
       against the ideal (the prefix once); KITE and the routers' first policy.
   (e) fleet events under the hot-prompt load, KITE's fleet only (fleet_events.py, `--events`): a worker
       killed mid-run and a fresh one joining in its place, then a rolling restart of every worker; failed
-      and migrated requests, the joining worker's reuse, answers against the peer fleet's.
+      and migrated requests, the joining worker's reuse, answers against the peer fleet's; then one of the
+      peer fleet's servers killed the same way (its failed requests).
 Beside them: the RSS of KITE's pool (ru-pool processes and the warm tier's redis-server), and the CPU
 seconds each process group used per request served during its own system's turns (KITE: gateway,
 fingerprinter, ru-pool, arbitrator, nats-server, redis-server, the workers' front ends and their vLLM
@@ -416,7 +417,7 @@ def run(args, model_path: Path, log_dir: Path) -> dict:
             print("KITE pool memory (RSS) after it: " + ", ".join(
                 f"{k} {v / 2**20:.0f} MiB" for k, v in results["pool_rss_after_working_set"].items()))
         run_scenarios(args, systems, results)
-        run_events(args, kite, systems, results)
+        run_events(args, kite, peers, systems, results)
     finally:
         peers.stop()
         if kite is not None:
@@ -437,8 +438,8 @@ def run_scenarios(args, systems: dict[str, System], results: dict) -> None:
     fleet_scenarios.report(multi, fresh, KITE)
 
 
-def run_events(args, kite: LocalStack, systems: dict[str, System], results: dict) -> None:
-    """Scenario (e), last: it replaces KITE's workers."""
+def run_events(args, kite: LocalStack, peers: VllmFleet, systems: dict[str, System], results: dict) -> None:
+    """Scenario (e), last: it replaces KITE's workers and kills one of the peer fleet's servers."""
     if not args.events:
         return
     client = systems[KITE].client
@@ -455,6 +456,9 @@ def run_events(args, kite: LocalStack, systems: dict[str, System], results: dict
         events["rolling_restart"] = fleet_events.rolling_restart(kite, client, args.event_concurrency)
     peer = router_name(args.policies[0])
     reference = fleet_events.reference_answers(systems[peer].client, events, 2 * args.event_concurrency)
+    if "kill_and_join" in args.events:  # last: it leaves the peer fleet a server short
+        events["peer_kill"] = fleet_events.kill_peer(peers.servers[0][0], systems[peer].client,
+                                                     args.event_concurrency)
     results["events"] = events
     fleet_events.report(events, reference, peer)
 

@@ -14,7 +14,8 @@ prompt, a new question per request) runs throughout at `concurrency`.
                  request sent meanwhile.
 
 Answers are compared, question by question, with what the peer fleet (plain vLLM) answers to the same
-questions. Only KITE's fleet goes through the events: vllm-router is started with a fixed list of servers.
+questions. The peer fleet goes through the kill only (`kill_peer`, last: vllm-router is started with a
+fixed list of servers, so no server joins it): how many of its requests fail.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import itertools
 import os
 import signal
 import statistics
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -100,8 +102,12 @@ def replace_worker(stack: LocalStack, old: ServiceProcess) -> ServiceProcess:
 def kill_worker(stack: LocalStack, proc: ServiceProcess) -> None:
     """SIGKILL to the worker's process group (its own session: the front end and vLLM's engine core)."""
     proc.stop_requested = True
-    os.killpg(proc.process.pid, signal.SIGKILL)
-    proc.process.wait()
+    kill_group(proc.process)
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def reuse(sent: list[Sent]) -> float:
@@ -143,6 +149,20 @@ def kill_and_join(stack: LocalStack, client: Client, concurrency: int, migration
             "joined_ttft_p50_s": statistics.median(s.reply.ttft_s for s in first) if first else float("nan")}
 
 
+def kill_peer(server: subprocess.Popen, client: Client, concurrency: int, settle_s: float = 10.0) -> dict:
+    """The same kill on the peer fleet: one plain vLLM server's process group (API server and engine core),
+    SIGKILL while requests stream through vllm-router, then `settle_s` more of the load. Not replaced: the
+    router is started with a fixed list of servers. Run last, after the reference answers."""
+    load = Load(client, concurrency, FIRST_QUESTION + 200_000)
+    try:
+        time.sleep(settle_s / 2)
+        kill_group(server)
+        time.sleep(settle_s)
+    finally:
+        sent = load.stop()
+    return summary(sent)
+
+
 def rolling_restart(stack: LocalStack, client: Client, concurrency: int, settle_s: float = 3.0) -> dict:
     load = Load(client, concurrency, FIRST_QUESTION + 100_000)
     restarted = []
@@ -174,7 +194,8 @@ def same_as_reference(answers: dict[int, str], reference: dict[int, str]) -> str
 
 
 def report(results: dict[str, dict], reference: dict[int, str], peer_name: str) -> None:
-    print("\nfleet events under the hot-prompt load (KITE only; answers against " + peer_name + ")")
+    """`results`: KITE's events by name, and "peer_kill" (kill_peer's) when it ran."""
+    print("\nfleet events under the hot-prompt load (KITE's answers against " + peer_name + "'s)")
     if "kill_and_join" in results:
         r = results["kill_and_join"]
         print(f"  kill {r['killed']} (SIGKILL, front end and engine): {r['requests']} requests, {r['failed']} "
@@ -183,6 +204,11 @@ def report(results: dict[str, dict], reference: dict[int, str], peer_name: str) 
         print(f"  join {r['joined']} (fresh, started in its place, live {r['join_start_s']:.0f} s after its "
               f"start): its first {r['joined_requests']} requests took {r['joined_cached_share']:.1%} of their "
               f"prompt tokens from the pool or its cache; TTFT p50 {r['joined_ttft_p50_s']:.3f} s")
+        for error in r["errors"]:
+            print(f"    failed: {error}")
+    if "peer_kill" in results:
+        r = results["peer_kill"]
+        print(f"  {peer_name}: one vLLM server killed the same way: {r['requests']} requests, {r['failed']} failed")
         for error in r["errors"]:
             print(f"    failed: {error}")
     if "rolling_restart" in results:
