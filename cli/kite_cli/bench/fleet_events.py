@@ -99,13 +99,14 @@ def replace_worker(stack: LocalStack, old: ServiceProcess) -> ServiceProcess:
     return stack.start_worker(stack.worker_cores(worker_index(old), {}))
 
 
-def kill_worker(stack: LocalStack, proc: ServiceProcess) -> None:
+def kill_worker(proc: ServiceProcess) -> None:
     """SIGKILL to the worker's process group (its own session: the front end and vLLM's engine core)."""
     proc.stop_requested = True
     kill_group(proc.process)
 
 
 def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL to `process`'s group (started in its own session) and wait for `process` itself."""
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
 
@@ -130,7 +131,7 @@ def kill_and_join(stack: LocalStack, client: Client, concurrency: int, migration
     try:
         time.sleep(settle_s / 2)  # every worker streaming
         victim = stack.workers()[0]
-        kill_worker(stack, victim)
+        kill_worker(victim)
         time.sleep(settle_s)  # the fleet without it: its streams migrate, the router forgets it
         joined = replace_worker(stack, victim)
         joined_at = time.monotonic()
