@@ -21,10 +21,10 @@ Scenarios:
   (c) multi-turn sessions and (d) a fresh ~1,800-token prefix sent to the fleet at once
       (fleet_scenarios.py): the share of each later turn's history reused; the prompt tokens computed
       against the ideal (the prefix once); KITE and the routers' first policy.
-  (e) fleet events under the hot-prompt load, KITE's fleet only (fleet_events.py, `--events`): a worker
-      killed mid-run and a fresh one joining in its place, then a rolling restart of every worker; failed
-      and migrated requests, the joining worker's reuse, answers against the peer fleet's; then one of the
-      peer fleet's servers killed the same way (its failed requests).
+  (e) fleet events under the hot-prompt load, last (fleet_events.py, `--events`): a KITE worker killed
+      mid-run and a fresh one joining in its place, then a rolling restart of every KITE worker; failed and
+      migrated requests, the joining worker's reuse, answers against the peer fleet's; then one of the peer
+      fleet's servers killed the same way (its failed requests: vllm-router takes no new server).
 Beside them: the RSS of KITE's pool (ru-pool processes and the warm tier's redis-server), and the CPU
 seconds each process group used per request served during its own system's turns (KITE: gateway,
 fingerprinter, ru-pool, arbitrator, nats-server, redis-server, the workers' front ends and their vLLM
@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fresh-requests", type=int, default=8,
                         help="requests over one fresh prefix sent at once (scenario d; 0 skips it)")
     parser.add_argument("--events", nargs="*", choices=EVENTS, default=list(EVENTS),
-                        help="fleet events under load, KITE only (scenario e; none: --events with no name)")
+                        help="fleet events under load (scenario e; none: --events with no name)")
     parser.add_argument("--event-concurrency", type=int, default=4, help="users of the events' load")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
