@@ -569,6 +569,10 @@ class WorkerConfig(_MetricsPort, _Telemetry):
     pool_read: bool = env(
         "KITE_WORKER_POOL_READ", "on", "Load missing prefix blocks from the ru-pool's tiers when the cost model "
         "says loading beats recomputing.")
+    pool_lookup_timeout_s: float = env(
+        "KITE_WORKER_POOL_LOOKUP_TIMEOUT_S", "0.1", "How long a worker waits for the ru-pool's answer to which "
+        "prefix blocks it holds before computing the prompt instead (a late pool costs reuse, never the "
+        "request).", minimum=0.001)
     shadow_fraction: float = env(
         "KITE_SHADOW_FRACTION", "0.01", "Fraction of cache hits a worker re-checks (shadow verification, "
         "docs/verification.md): it recomputes the prompt without reuse while idle and compares the first-token "

@@ -32,10 +32,19 @@ def vllm_adapter_folders(tmp_path_factory):
     return setting, tags, gamma.split("=", 1)[1]
 
 
+def worker_warnings(stack) -> list[str]:
+    """What the workers logged at WARNING or above (why a prefix was computed rather than loaded)."""
+    return [line for proc in stack.workers() for line in stack.tail(proc, 1_000_000).splitlines()
+            if '"level": "WARNING"' in line or '"level": "ERROR"' in line]
+
+
 def chat(stack, model: str, question: str, reuse: bool = True) -> dict:
     return http_chat.chat(stack, SYSTEM, question, model=model, reuse=reuse, max_tokens=16)
 
 
+# Two vLLM starts (40-60 s each on 2 cores) and about 40 requests: 309 s on 2026-12-07, past the suite's
+# 300 s default.
+@pytest.mark.timeout(600)
 def test_adapters_on_vllm_reuse_their_own_blocks_and_load_at_run_time(vllm_adapter_folders):
     setting, tags, gamma = vllm_adapter_folders
     # No arbitrator: its safe policy (selective writes while telemetry is stale) would make the pool's
@@ -77,7 +86,7 @@ def test_adapters_on_vllm_reuse_their_own_blocks_and_load_at_run_time(vllm_adapt
         question = "Which river flows through Vienna?"
         for model in MODELS:
             on = chat(stack, model, question)
-            assert cached(on) >= system_blocks * BLOCK, model
+            assert cached(on) >= system_blocks * BLOCK, (model, worker_warnings(stack))
             assert answer(on) == answer(chat(stack, model, question, reuse=False)), model
 
         # 3. Run time: gamma loads into the running vLLM (its contract checked), serves and reuses; alpha

@@ -37,6 +37,11 @@ VLLM_ENV = {
     "KITE_VLLM_ENFORCE_EAGER": "on",  # starts in about 45 s instead of 155 s; numerics are the same
     "KITE_VLLM_KV_CACHE_GIB": "0.5",
     "KITE_WORKER_WRITE_POLICY": "write_through",
+    # These tests count what the pool supplies. A pool lookup unanswered in 0.1 s (the default) means the
+    # prompt is computed, which a loaded machine can make happen to any request (2026-12-07 CI: an
+    # adapter's prefix computed on a fresh worker): the tests wait for the answer instead.
+    "KITE_WORKER_POOL_LOOKUP_TIMEOUT_S": "2",
+    "KITE_ROUTER_LOOKUP_TIMEOUT_S": "2",
 }
 
 

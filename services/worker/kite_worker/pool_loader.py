@@ -221,12 +221,15 @@ class PoolLoader:
             return []
         deadline_s = self.cost.recompute_seconds(num_to_load)
         wanted = missing[:num_to_load]
+        started = time.perf_counter()
         try:
             units = await asyncio.wait_for(self._fetch(wanted, letters[:num_to_load], tenant, model_fingerprint), timeout=deadline_s)
         except asyncio.TimeoutError:
             self.num_loads_timed_out += 1
             log.info("pool fetch of %d blocks passed its %.3f s budget; computing instead", num_to_load, deadline_s)
             return []
+        log.debug("pool fetch of %d blocks (%s) took %.3f s of its %.3f s budget", num_to_load,
+                  letters[:num_to_load].decode(), time.perf_counter() - started, deadline_s)
         loaded = []
         for block_hash, unit in zip(wanted, self._verified(wanted, units, tenant_tag(tenant), model_fingerprint)):
             tensor = self._to_tensor(block_hash, unit)

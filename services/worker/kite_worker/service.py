@@ -88,7 +88,8 @@ class WorkerService:
         self.writes = WritePolicyFilter(cfg.write_policy)
         # A TLS block stream is verified like NATS: with the cluster's CA (KITE_NATS_TLS_CA).
         self.pool = PoolClient(rt.nc, worker_id=rt.instance_id, stream_ssl=nats_auth_options(rt.common).get("tls"),
-                               keep_mapped_bytes=cfg.keep_mapped_mib << 20)
+                               keep_mapped_bytes=cfg.keep_mapped_mib << 20,
+                               lookup_timeout_s=cfg.pool_lookup_timeout_s)
         self.control = WorkerControl(rt, self, self.writes, cfg.standby, cfg.telemetry_interval_s,
                                      cfg.telemetry_window_s)
         self._intake: tuple[Endpoint, ...] = ()  # the generate endpoints

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from kite_shared import kv_codec
-from kite_shared.config import CommonConfig, TierConfig, load
+from kite_shared.config import CommonConfig, TierConfig, WorkerConfig, load
 from kite_shared.endpoints import run_every
 from kite_shared.fingerprint import BlockHash
 from kite_shared.recyclable_unit import RecyclableUnit
@@ -159,9 +159,11 @@ class KVAgent:
     async def _connect(self) -> None:
         common = load(CommonConfig)
         nc = await connect_nats(common.nats_url, f"{self.options.worker_id}-kv", common)
+        # The engine core inherits the worker's environment: its settings are read as CommonConfig's are.
         self.pool = PoolClient(nc, worker_id=self.options.worker_id,
                                stream_ssl=nats_auth_options(common).get("tls"),  # verified like NATS
-                               keep_mapped_bytes=self.options.keep_mapped_bytes)
+                               keep_mapped_bytes=self.options.keep_mapped_bytes,
+                               lookup_timeout_s=load(WorkerConfig).pool_lookup_timeout_s)
         tier_client = None
         if self.options.pool_read or (self.options.pool_write and self.options.pool_write_path == "direct"):
             tier_client = TierClient.from_config(load(TierConfig), with_cold=self.options.pool_read)
