@@ -117,10 +117,6 @@ def _tokens(w: WorkerState) -> int:
     return w.running_tokens + w.backlog_tokens + w.pending_tokens
 
 
-def _least_loaded(workers: Sequence[WorkerState]) -> WorkerState:
-    return min(workers, key=lambda w: (w.requests, _tokens(w), w.worker_id))
-
-
 def imbalanced(workers: Sequence[WorkerState], knobs: RoutingKnobs) -> bool:
     loads = [w.requests for w in workers]
     return _imbalanced(max(loads), min(loads), knobs)

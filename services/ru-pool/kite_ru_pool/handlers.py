@@ -47,7 +47,7 @@ from prometheus_client import Histogram
 from kite_shared import security, subjects
 from kite_shared.endpoints import Endpoint
 from kite_shared.messages import (
-    BlockRemoved, BlockStored, Decision, Heartbeat, ModelFingerprintChanged, PoolAdminReply, PoolGetReply,
+    BlockRemoved, BlockStored, Decision, Heartbeat, ModelFingerprintChanged, PoolGetReply,
     PoolGetRequest, PoolLookupReply, PoolLookupRequest, ShadowCheckResult, TierHits, UnitsWritten,
 )
 from kite_shared.tiers import metrics

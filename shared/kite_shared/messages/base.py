@@ -11,7 +11,6 @@ A subject that carries several kinds (a request's stream, block events, telemetr
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable, ClassVar, Generic, TypeVar
 
 import msgpack

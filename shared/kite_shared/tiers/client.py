@@ -2,18 +2,14 @@
 
 A worker that got a PoolLookupReply can fetch the blocks itself: its PoolLoader reads a request's warm
 blocks with `warm.get_units` (one pipelined round trip) and cold ones with `cold.get_units` (concurrent
-reads, the batch verified a share per core off the event loop); `fetch_chain`
-(warm, then cold, per block, concurrently; stops at the first block it cannot get) serves tools and
-benchmarks. It never writes:
+reads, the batch verified a share per core off the event loop). It never writes:
 the ru-pool owns writes, promotion and deletion (except that a unit failing verification is deleted by
 whoever read it).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from typing import Sequence
 
 from kite_shared import security
 from kite_shared import recyclable_unit
@@ -90,21 +86,3 @@ class TierClient:
             if found is not None:
                 return found[0], found[1], letter
         return None
-
-    async def fetch_chain(self, model_fingerprint: str, block_hashes: Sequence[bytes],
-                          concurrency: int = 8, tenant_tag: str = ANONYMOUS_TENANT_TAG) -> list[bytes]:
-        """Verified units of the leading blocks that could be fetched (stops at the first miss)."""
-        sem = asyncio.Semaphore(concurrency)
-
-        async def one(h: bytes) -> bytes | None:
-            async with sem:
-                found = await self.fetch(model_fingerprint, h, tenant_tag=tenant_tag)
-                return None if found is None else found[0]
-
-        results = await asyncio.gather(*(one(h) for h in block_hashes))
-        out: list[bytes] = []
-        for data in results:
-            if data is None:
-                break
-            out.append(data)
-        return out
