@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import redis
 
 from kite_cli.local_servers import LocalServer, find_binary, free_port, start_nats, start_redis
 from kite_shared.service import freeze_startup_heap
+from tests.helpers import wait_until
 
 
 def pytest_collection_finish(session) -> None:
@@ -93,18 +93,16 @@ class RedisClusterServers:
 
     def _wait_ok(self, timeout_s: float) -> None:
         """Every node reports cluster_state:ok and knows every other node."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            infos = []
+        def infos() -> list:
+            found = []
             for port in self.ports:
                 with self.node(port) as r:
-                    infos.append(r.execute_command("CLUSTER INFO"))
-            if all(i["cluster_state"] == "ok" and int(i["cluster_known_nodes"]) == len(self.ports)
-                   for i in infos):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"Redis Cluster not ok after {timeout_s} s: {infos}")
-            time.sleep(0.1)
+                    found.append(r.execute_command("CLUSTER INFO"))
+            return found
+
+        wait_until(infos, timeout_s, "Redis Cluster ok: every node's cluster_state ok, knowing every node",
+                   done=lambda infos: all(i["cluster_state"] == "ok" and int(i["cluster_known_nodes"])
+                                          == len(self.ports) for i in infos))
 
     def stop(self) -> None:
         for server in self.servers:

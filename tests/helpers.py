@@ -37,8 +37,9 @@ class _Wait:
     """What wait_until and wait_until_async share: the deadline, the verdict on each probe, the message."""
 
     def __init__(self, timeout_s: float, what: str, done: Callable[[Any], Any],
-                 context: Callable[[], object] | None) -> None:
+                 context: Callable[[], object] | None, describe: Callable[[Any], object] = repr) -> None:
         self.timeout_s, self.what, self.done, self.context = timeout_s, what, done, context
+        self.describe = describe
         self.deadline = time.monotonic() + timeout_s
         self.expired = False
 
@@ -51,7 +52,8 @@ class _Wait:
         if not failed and self.done(value):
             return True
         if self.expired:
-            message = f"timed out after {self.timeout_s:g} s waiting for {self.what}; last value seen: {value!r}"
+            seen = repr(value) if failed else self.describe(value)
+            message = f"timed out after {self.timeout_s:g} s waiting for {self.what}; last value seen: {seen}"
             if self.context is not None:
                 message += f"\n{self.context()}"
             raise AssertionError(message)
@@ -60,15 +62,21 @@ class _Wait:
 
 def wait_until(probe: Callable[[], T], timeout_s: float, what: str, *, done: Callable[[T], Any] = bool,
                interval_s: float = 0.1, ignore: tuple[type[BaseException], ...] = (),
-               context: Callable[[], object] | None = None) -> T:
+               context: Callable[[], object] | None = None, describe: Callable[[T], object] = repr) -> T:
     """Call `probe` every `interval_s` until `done(value)` holds, and return that value.
 
     `probe` runs at least once, and once more at or after the deadline, so a slow probe never times out a
     condition that held. An exception of a type in `ignore` counts as "not yet" (a service still starting);
     any other propagates. On timeout: AssertionError naming `what`, the last value (or ignored exception)
     seen and, when given, `context()` (process logs, say), so a red test says what it was waiting for.
+    `describe(value)` is how the last value is shown (default repr: pass one where the repr says little,
+    as a response's, whose body says more).
+
+    A condition that must hold "for long enough" keeps that state in the probe (a closure); a check that
+    must fail at once (a process that exited, a wrong answer on the way) is an assert inside the probe.
+    tests/unit/test_test_helpers_once.py fails on a hand-written deadline loop outside this file.
     """
-    wait = _Wait(timeout_s, what, done, context)
+    wait = _Wait(timeout_s, what, done, context, describe)
     while True:
         wait.start_round()
         try:
@@ -83,10 +91,11 @@ def wait_until(probe: Callable[[], T], timeout_s: float, what: str, *, done: Cal
 async def wait_until_async(probe: Callable[[], T | Awaitable[T]], timeout_s: float, what: str, *,
                            done: Callable[[T], Any] = bool, interval_s: float = 0.05,
                            ignore: tuple[type[BaseException], ...] = (),
-                           context: Callable[[], object] | None = None) -> T:
+                           context: Callable[[], object] | None = None,
+                           describe: Callable[[T], object] = repr) -> T:
     """`wait_until` on the running event loop: `probe` may return an awaitable (an `async def` or a lambda
     around a request), which is awaited; the loop sleeps with asyncio.sleep, so callbacks keep running."""
-    wait = _Wait(timeout_s, what, done, context)
+    wait = _Wait(timeout_s, what, done, context, describe)
     while True:
         wait.start_round()
         value: Any

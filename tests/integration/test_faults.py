@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from tests.helpers import wait_until
 from tests.integration.conftest import MODEL
 
 SMALL = ("fingerprinter", "gateway")
@@ -192,16 +193,9 @@ def test_services_reconnect_after_nats_restarts_on_the_same_port(fresh_stack_fac
     pids = {p.log_path.stem: p.process.pid for p in stack.processes}
     stack.restart_nats(down_s=1.0)
     started = time.monotonic()
-    deadline = started + 30
-    status = 0
-    while time.monotonic() < deadline:
-        try:
-            status = _ask(stack.http_url, timeout_s=10).status_code
-        except httpx.HTTPError:
-            status = 0
-        if status == 200:
-            break
-        time.sleep(0.25)
+    status = wait_until(lambda: _ask(stack.http_url, timeout_s=10).status_code, 30,
+                        "an answer after the NATS restart", done=lambda status: status == 200, interval_s=0.25,
+                        ignore=(httpx.HTTPError,))
     assert status == 200, f"no answer within 30 s of the NATS restart (last status {status})"
     print(f"answering again {time.monotonic() - started:.1f} s after nats-server was back")
     assert stack.health_status() == 200

@@ -29,6 +29,7 @@ from kite_gateway.fleet import Fleet
 from kite_gateway.generation import GenerationClient
 from kite_gateway.grpc_api import KiteService, start_grpc_server
 from kite_shared.security import tenant_cache_salt
+from tests.helpers import wait_until_async
 
 QUESTION = kite_pb2.ChatMessages(
     messages=[kite_pb2.Message(role="user", content="What is the capital of France?")])
@@ -184,7 +185,6 @@ class Scripted:
     def __init__(self) -> None:
         self.requests: list[GenerateRequest] = []
         self.cancelled: set[str] = set()
-        self.cancel_seen = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
         self.pings: dict[str, object] = {}
         self.nc = None
@@ -230,7 +230,6 @@ class Scripted:
 
     async def on_cancel(self, msg) -> None:
         self.cancelled.add(Cancel.decode(msg.data).request_id)
-        self.cancel_seen.set()
 
     async def answer_pings(self, service: str) -> None:
         async def pong(msg) -> None:
@@ -242,14 +241,8 @@ class Scripted:
         await self.pings.pop(service).unsubscribe()
 
     async def wait_cancelled(self, request_id: str, timeout_s: float = 5.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while request_id not in self.cancelled:
-            assert time.monotonic() < deadline, f"no cancel reached the workers for {request_id}"
-            self.cancel_seen.clear()
-            try:
-                await asyncio.wait_for(self.cancel_seen.wait(), timeout=max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                continue
+        await wait_until_async(lambda: request_id in self.cancelled, timeout_s,
+                               f"a cancel of {request_id} to reach the workers", interval_s=0.01)
 
 
 @pytest_asyncio.fixture(scope="module")

@@ -26,6 +26,7 @@ import pytest
 from kite_cli.local_servers import free_port
 from kite_cli.stack import LocalStack, ServiceProcess, StackOptions, read_state
 from kite_shared.config import ModelConfig, load
+from tests.helpers import wait_for_log, wait_until
 
 LEFTOVER_LIMIT_S = 5.0  # issue 13: no KITE process remains 5 s after `kill -9` of `kite run`
 STOP_WHILE_STARTING_LIMIT_S = 10.0  # issue 36: Ctrl-C while starting, everything gone within 10 s
@@ -70,34 +71,25 @@ def test_sigkill_of_kite_run_leaves_no_process_behind(tmp_path):
     state_file = state_file_of(env)
     run = start_kite_run(tmp_path, env)
     try:
-        deadline = time.monotonic() + 300
-        while True:
+        def healthy() -> bool:
             assert run.poll() is None, (tmp_path / "kite-run.log").read_text()
-            assert time.monotonic() < deadline, "kite run did not get healthy"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+
+        wait_until(healthy, 300, "kite run to get healthy", interval_s=0.5, ignore=(httpx.HTTPError,),
+                   context=lambda: (tmp_path / "kite-run.log").read_text()[-3000:])
         state = read_state(state_file)
         assert state is not None and state.pid == run.pid and state.http_url == f"http://127.0.0.1:{port}"
         # Another terminal: `kite pool stats`, no flags, no KITE_NATS_URL (the ru-pool may still be starting).
-        deadline = time.monotonic() + 60
-        while True:
-            stats = subprocess.run([sys.executable, "-m", "kite_cli.main", "pool", "--timeout", "5", "stats"],
-                                   env=env, capture_output=True, text=True, timeout=60)
-            if stats.returncode == 0 or time.monotonic() > deadline:
-                break
-            time.sleep(1)
+        stats = wait_until(
+            lambda: subprocess.run([sys.executable, "-m", "kite_cli.main", "pool", "--timeout", "5", "stats"],
+                                   env=env, capture_output=True, text=True, timeout=60),
+            60, "`kite pool stats` to succeed", done=lambda stats: stats.returncode == 0, interval_s=1,
+            describe=lambda stats: f"status {stats.returncode}, stderr: {stats.stderr}")
         assert stats.returncode == 0, stats.stderr
         assert "kite run" in stats.stderr and state.nats_url in stats.stderr
         assert json.loads(stats.stdout)["ok"] is True
         # What it printed once healthy: where it serves, gRPC and NATS included.
-        deadline = time.monotonic() + 10
-        while "Press Ctrl-C" not in (banner := (tmp_path / "kite-run.log").read_text()):
-            assert time.monotonic() < deadline, banner
-            time.sleep(0.2)
+        banner = wait_for_log(tmp_path / "kite-run.log", "Press Ctrl-C", run, timeout_s=10)
         assert state.http_url in banner and state.nats_url in banner and state.grpc_target in banner
         started = psutil.Process(run.pid).children(recursive=True)
         names = {" ".join(p.cmdline()[-2:]) for p in started}
@@ -127,13 +119,18 @@ def test_kite_run_reports_a_worker_that_dies_at_start_and_fails(tmp_path):
     run = start_kite_run(tmp_path, env)
     try:
         descendants: dict[int, psutil.Process] = {}
-        while run.poll() is None:  # every process it started, to check none is left
-            assert time.monotonic() - started < 120, "kite run kept waiting for a worker that had exited"
+
+        def exited() -> bool:  # meanwhile, every process it started, to check none is left
+            if run.poll() is not None:
+                return True
             try:
                 descendants.update((p.pid, p) for p in psutil.Process(run.pid).children(recursive=True))
             except psutil.NoSuchProcess:
                 pass
-            time.sleep(0.1)
+            return False
+
+        wait_until(exited, 120 - (time.monotonic() - started), "kite run to exit (not keep waiting for a worker "
+                   "that had exited)", context=lambda: (tmp_path / "kite-run.log").read_text()[-3000:])
         took = time.monotonic() - started
         output = (tmp_path / "kite-run.log").read_text()
         print(f"kite run exited {took:.1f} s after it started, status {run.returncode}")
@@ -200,17 +197,18 @@ def test_a_signal_while_starting_stops_everything_within_ten_seconds(tmp_path, s
     env = run_env(tmp_path, port)
     run = start_kite_run(tmp_path, env)
     try:
-        deadline = time.monotonic() + 60
-        worker_seen = None
-        while True:  # the worker has been loading for a second: the stack is far from healthy
+        worker_seen: list[float] = []  # when a worker process was first seen
+
+        def worker_loading_for_a_second() -> bool:  # the stack is then far from healthy
             assert run.poll() is None, (tmp_path / "kite-run.log").read_text()
-            assert time.monotonic() < deadline, "no worker process started"
-            started = psutil.Process(run.pid).children(recursive=True)
-            if any(" ".join(p.cmdline()[-2:]) == "-m kite_worker" for p in started if running(p)):
-                worker_seen = worker_seen or time.monotonic()
-                if time.monotonic() - worker_seen >= 1.0:
-                    break
-            time.sleep(0.05)
+            children = psutil.Process(run.pid).children(recursive=True)
+            if any(" ".join(p.cmdline()[-2:]) == "-m kite_worker" for p in children if running(p)):
+                worker_seen[:] = worker_seen or [time.monotonic()]
+                return time.monotonic() - worker_seen[0] >= 1.0
+            return False
+
+        wait_until(worker_loading_for_a_second, 60, "a worker process started, loading for a second",
+                   interval_s=0.05)
         started = psutil.Process(run.pid).children(recursive=True)
         commands = [" ".join(p.cmdline()) for p in started]
         for wanted in ("-m kite_worker", "-m kite_gateway", "nats-server"):
@@ -244,19 +242,12 @@ def test_kite_run_reports_a_worker_that_dies_once_serving_and_stops_when_none_is
     env = run_env(tmp_path, port)
     run = start_kite_run(tmp_path, env, "--workers", "2")
     try:
-        deadline = time.monotonic() + 300
-        while "Press Ctrl-C" not in (output := (tmp_path / "kite-run.log").read_text()):
-            assert run.poll() is None, output
-            assert time.monotonic() < deadline, "kite run did not get healthy"
-            time.sleep(0.2)
+        wait_for_log(tmp_path / "kite-run.log", "Press Ctrl-C", run, timeout_s=300)  # healthy
         by_name = {p.environ()["KITE_INSTANCE_ID"]: p for p in psutil.Process(run.pid).children(recursive=True)
                    if p.cmdline()[-2:] == ["-m", "kite_worker"]}
         assert sorted(by_name) == ["worker-1", "worker-2"], by_name
         by_name["worker-1"].kill()
-        deadline = time.monotonic() + 10
-        while "worker-1 exited with code -9" not in (tmp_path / "kite-run.log").read_text():
-            assert time.monotonic() < deadline, (tmp_path / "kite-run.log").read_text()
-            time.sleep(0.1)
+        wait_for_log(tmp_path / "kite-run.log", "worker-1 exited with code -9", run, timeout_s=10)
         time.sleep(2)  # a watch round or two: kite run goes on with the other worker
         assert run.poll() is None, (tmp_path / "kite-run.log").read_text()
         by_name["worker-2"].kill()

@@ -16,7 +16,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import redis
@@ -24,6 +23,7 @@ import redis
 from kite_shared import model_store, recyclable_unit
 from kite_shared.config import ModelConfig, load
 from kite_shared.security import ru_key
+from tests.helpers import wait_until
 from tests.integration.test_pool_reuse import cached, chat, replace_worker, wait_for_warm_blocks
 
 
@@ -94,10 +94,8 @@ def test_a_lossy_cold_tier_holds_int8_units_that_a_fresh_worker_loads(fresh_stac
     # (That warm holds the units as computed until then is tests/integration/test_ru_pool_tier_codecs.py's:
     # here archival is too quick to look.)
     cold_dir = Path(stack.options.env["KITE_COLD_DIR"])
-    deadline = time.monotonic() + 60
-    while len(list(cold_dir.rglob("*.kru"))) < num_blocks or any(warm.scan_iter("kite:ru:*")):
-        assert time.monotonic() < deadline, "the pool never archived the blocks to cold"
-        time.sleep(0.5)
+    wait_until(lambda: len(list(cold_dir.rglob("*.kru"))) >= num_blocks and not any(warm.scan_iter("kite:ru:*")),
+               60, f"the pool to archive the {num_blocks} blocks to cold (none left in warm)", interval_s=0.5)
     in_cold = [recyclable_unit.decode(path.read_bytes(), key=ru_key()) for path in cold_dir.rglob("*.kru")]
     assert {(u.codec, u.cold_codec) for u in in_cold} == {("int8", "int8")}  # transcoded by the pool
     cfg = load(ModelConfig, {"KITE_ENGINE": "transformers", **settings})

@@ -4,7 +4,6 @@ service publishes telemetry that reflects the traffic (issue 13)."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import nats
@@ -12,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kite_shared import subjects
 from kite_shared.messages import TELEMETRY
+from tests.helpers import wait_until
 from tests.integration.conftest import MODEL
 
 
@@ -54,15 +54,13 @@ def test_every_service_exports_metrics_that_move_with_traffic(fresh_stack_factor
         "ru-pool": [("kite_endpoint_messages_total", {"endpoint": subjects.POOL_UNITS_WRITTEN})],
         "arbitrator": [("kite_arbitrator_messages_total", {"kind": "heartbeat"})],
     }
-    deadline = time.monotonic() + 10  # worker and pool metrics are refreshed about once a second
-    while True:
+    def stuck() -> list:  # the expected metrics that did not grow yet
         after = {name: scrape(url) for name, url in urls.items()}
-        stuck = [(svc, name, labels) for svc, checks in expectations.items() for name, labels in checks
-                 if total(after[svc], name, **labels) <= total(before[svc], name, **labels)]
-        if not stuck or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert stuck == []
+        return [(svc, name, labels) for svc, checks in expectations.items() for name, labels in checks
+                if total(after[svc], name, **labels) <= total(before[svc], name, **labels)]
+
+    # Worker and pool metrics are refreshed about once a second.
+    assert wait_until(stuck, 10, "every expected metric to grow", done=lambda stuck: stuck == [], interval_s=0.5) == []
 
     telemetry = asyncio.run(latest_telemetry(stack.nats.url, seconds=2.5))
     assert set(telemetry) == {"worker_telemetry", "pool_telemetry", "gateway_telemetry",
@@ -103,7 +101,6 @@ def test_a_client_that_leaves_a_non_streaming_request_stops_its_generation(fresh
         raise AssertionError("a 4,000-token answer came back within 3 s")
     except httpx.ReadTimeout:
         pass
-    deadline = time.monotonic() + 20
-    while total(scrape(worker), "kite_worker_running_requests") > 0:
-        assert time.monotonic() < deadline, "the worker kept generating for a client that had left"
-        time.sleep(0.5)
+    wait_until(lambda: total(scrape(worker), "kite_worker_running_requests"), 20,
+               "the worker to stop generating for a client that had left", done=lambda running: running == 0,
+               interval_s=0.5)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
 
 import httpx
 import openai
 import pytest
 
+from tests.helpers import wait_until
 from tests.integration.conftest import MODEL
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -82,12 +82,10 @@ def test_seeded_sampling_is_reproducible_and_n_choices(client):
 def served_length(stack) -> int | None:
     """/v1/models' max_model_len of the default model, once a worker's heartbeat has told the gateway (a
     worker's first beats, sent while it sets up, name no model yet)."""
-    deadline = time.monotonic() + 10
-    while True:
-        listed = {m["id"]: m for m in httpx.get(stack.http_url + "/v1/models").json()["data"]}
-        if "max_model_len" in listed[MODEL] or time.monotonic() > deadline:
-            return listed[MODEL].get("max_model_len")
-        time.sleep(0.2)
+    listed = wait_until(lambda: {m["id"]: m for m in httpx.get(stack.http_url + "/v1/models").json()["data"]},
+                        10, f"/v1/models to give {MODEL}'s max_model_len",
+                        done=lambda listed: "max_model_len" in listed[MODEL], interval_s=0.2)
+    return listed[MODEL].get("max_model_len")
 
 
 def test_models_lists_the_default_model(kite_stack, client):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 
 import nats
 import pytest
@@ -159,10 +158,9 @@ async def test_a_batched_read_spans_the_nodes_and_refreshes_the_hits_expiry(ctie
             rc.pexpire(redis_key(BlockKey.of(fp, h)), 5_000)
         found = await ctier.get_units(fp, [h for h, _ in units] + [b"\x07" * 32])
         assert [f is not None and f[1] for f in found] == [d for _, d in units] + [False]
-        deadline = time.monotonic() + 5
-        while min(rc.pttl(redis_key(BlockKey.of(fp, h))) for h, _ in units[:9]) <= 25_000:
-            assert time.monotonic() < deadline, "the batched hits did not restart their TTLs"
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: min(rc.pttl(redis_key(BlockKey.of(fp, h))) for h, _ in units[:9]), 5,
+                               "the batched hits to restart their TTLs", done=lambda ttl_ms: ttl_ms > 25_000,
+                               interval_s=0.01)
         assert all(rc.pttl(redis_key(BlockKey.of(fp, h))) == -1 for h, _ in units[9:])
     assert ctier.up
 
@@ -265,12 +263,9 @@ async def test_ru_pool_rebuilds_its_index_from_the_cluster_and_clears_it(redis_c
         assert sum(node_sizes(redis_cluster)) == 40 and all(n > 0 for n in node_sizes(redis_cluster))
         await stop_pool(pool)
         pool = await start_pool()  # fresh index: everything it knows comes from the cluster listing
-        deadline = asyncio.get_running_loop().time() + 10.0
-        while True:  # indexed at start, or at the tier's recovery when the first command timed out
-            r = await client.lookup(fp, hashes)
-            if (r.hot, r.warm, r.pool) == (0, 40, 40) or asyncio.get_running_loop().time() > deadline:
-                break
-            await asyncio.sleep(0.1)
+        # Indexed at start, or at the tier's recovery when the first command timed out.
+        r = await wait_until_async(lambda: client.lookup(fp, hashes), 10.0, "the 40 blocks indexed in warm",
+                                   done=lambda r: (r.hot, r.warm, r.pool) == (0, 40, 40), interval_s=0.1)
         assert (r.hot, r.warm, r.pool) == (0, 40, 40)
         assert await client.get(fp, hashes) == [d for _, d in units]
         reply = await client.admin(PoolAdminRequest(op="clear", model_fingerprint=fp))

@@ -3,7 +3,6 @@ TTL and pins, and behaviour while a server is down."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import time
 import uuid
@@ -19,6 +18,7 @@ from kite_shared.tiers import metrics
 from kite_shared.tiers.cold import LocalDirTier, S3Tier
 from kite_shared.tiers.keys import BlockKey, object_key, redis_key
 from kite_shared.tiers.warm import RedisTier
+from tests.helpers import wait_until_async
 
 FP = hashlib.sha256(b"tiers-test-model").hexdigest()
 SHAPE = (2, 2, 1, 16, 4)
@@ -180,10 +180,7 @@ async def test_redis_down_is_a_fast_miss_and_the_tier_comes_back_on_the_same_por
             assert not await tier.put(BlockKey.of(FP, h), d)
         assert time.perf_counter() - started < 0.05
         server = start_redis(port)  # restarted empty on the same port
-        deadline = time.monotonic() + 5
-        while not await tier.ping():
-            assert time.monotonic() < deadline, "warm tier never came back"
-            await asyncio.sleep(0.05)
+        await wait_until_async(tier.ping, 5, "the warm tier to come back", interval_s=0.05)
         assert tier.up
         assert await tier.put(BlockKey.of(FP, h), d)
         assert await tier.get_verified(FP, h) == d

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import time
 
 import grpc
 import httpx
@@ -29,6 +28,7 @@ import pytest
 from kite_cli.stack import StackOptions
 from kite_shared.grpc_gen import kite_pb2, kite_pb2_grpc
 from kite_shared.security import hash_api_key
+from tests.helpers import wait_until
 from tests.integration.conftest import MODEL, _start
 
 ALICE_KEY = "kite-alice-" + secrets.token_hex(12)
@@ -87,9 +87,8 @@ def test_a_tenant_learns_then_hits_and_the_other_tenant_never_shares(stack):
     assert second.json()["kite"]["semantic_cache"]["similarity"] == pytest.approx(1.0, abs=1e-3)
 
     # The label is written after the answer was sent: the next request may come before it landed.
-    deadline = time.monotonic() + 10
-    while (third := ask(stack, ALICE_KEY, QUESTION)) and outcome(third) != "hit" and time.monotonic() < deadline:
-        time.sleep(0.2)
+    third = wait_until(lambda: ask(stack, ALICE_KEY, QUESTION), 10, "alice's question to be a hit",
+                       done=lambda r: outcome(r) == "hit", interval_s=0.2, describe=lambda r: r.json())
     assert outcome(third) == "hit", third.json()
     assert answer(third) == computed and "X-Kite-Worker" not in third.headers  # no worker was asked
     assert third.json()["choices"][0]["finish_reason"] == first.json()["choices"][0]["finish_reason"]
@@ -109,10 +108,8 @@ def test_a_tenant_learns_then_hits_and_the_other_tenant_never_shares(stack):
     bob_again = ask(stack, BOB_KEY, QUESTION)
     assert outcome(bob_again) == "explore" and answer(bob_again) == answer(bob)
     assert "threshold" not in bob_again.json()["kite"]["semantic_cache"]
-    deadline = time.monotonic() + 10
-    while (bob_third := ask(stack, BOB_KEY, QUESTION)) and outcome(bob_third) != "hit" \
-            and time.monotonic() < deadline:
-        time.sleep(0.2)
+    bob_third = wait_until(lambda: ask(stack, BOB_KEY, QUESTION), 10, "bob's question to be a hit",
+                           done=lambda r: outcome(r) == "hit", interval_s=0.2, describe=lambda r: r.json())
     assert outcome(bob_third) == "hit" and answer(bob_third) == answer(bob)
 
     negated = ask(stack, ALICE_KEY, NEGATED)
@@ -154,10 +151,13 @@ def test_grpc_calls_learn_and_hit_the_entries_http_requests_share(stack):
 
     # The gRPC answer became an entry: HTTP asks the same (explored first when no threshold exists yet; the
     # entry and the label are written after the answers were sent) until the entry answers.
-    deadline = time.monotonic() + 10
-    while (http := ask(stack, ALICE_KEY, question)) and outcome(http) != "hit" and time.monotonic() < deadline:
-        assert answer(http) == computed
-        time.sleep(0.2)
+    def asked_over_http():
+        http = ask(stack, ALICE_KEY, question)
+        assert answer(http) == computed, http.json()  # explored, or the hit: always the computed answer
+        return http
+
+    http = wait_until(asked_over_http, 10, "the gRPC call's entry to answer over HTTP",
+                      done=lambda r: outcome(r) == "hit", interval_s=0.2, describe=lambda r: r.json())
     assert outcome(http) == "hit" and answer(http) == computed
 
     text, token_ids, hit = grpc_ask(stack, ALICE_KEY, question)

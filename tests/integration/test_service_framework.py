@@ -21,6 +21,7 @@ from kite_shared.endpoints import ENDPOINT_MESSAGES, Endpoint, Refusal
 from kite_shared.messages import (AdapterAdminReply, Admission, Cancel, ErrorInfo, GenerateRequest, Heartbeat, Ping,
                                   Pong, SamplingParams)
 from kite_shared.service import ServiceRuntime
+from tests.helpers import wait_until_async
 
 
 def runtime(url: str, instance: str) -> ServiceRuntime:
@@ -221,10 +222,10 @@ def test_an_endpoint_of_every_subject_in_the_table_refuses_what_does_not_decode(
                         assert reply.error.code == "invalid_message", (spec.subject, reply)
                     else:
                         assert not reply.ok and ("not msgpack" in reply.error or "expected" in reply.error), reply
-                for _ in range(500):  # events: until both have been handled (dropped)
-                    if ENDPOINT_MESSAGES.labels(label, "invalid_message")._value.get() == 2:
-                        break
-                    await asyncio.sleep(0.01)
+                # Events: until both have been handled (dropped); before: 500 tries 0.01 s apart.
+                await wait_until_async(lambda: ENDPOINT_MESSAGES.labels(label, "invalid_message")._value.get(), 5,
+                                       f"both bad messages to {spec.subject} counted",
+                                       done=lambda count: count == 2, interval_s=0.01)
                 assert ENDPOINT_MESSAGES.labels(label, "invalid_message")._value.get() == 2, spec.subject
                 for subscription in subscriptions:
                     await subscription.unsubscribe()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import nats
 import pytest
 
 from kite_cli.arbitrator_admin import admin
@@ -43,10 +44,7 @@ def quarantines(stack) -> list:
 def the_quarantine(stack, namespace_fingerprint: str, hits: int, wrong: int, first_hit_at: float, label: str):
     """The one quarantine decision in force, once the arbitrator has made it: of this namespace, after
     planted hits that did change answers (the fault is real). Prints how fast it came."""
-    deadline = time.monotonic() + 30
-    while not quarantines(stack) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    [decision] = quarantines(stack)
+    [decision] = wait_until(lambda: quarantines(stack), 30, "the arbitrator's quarantine decision", interval_s=0.2)
     assert decision.target == namespace_fingerprint and decision.namespace == MODEL and hits >= 1
     print(f"\n{label}: {hits} planted hits served ({wrong} wrong answers) before quarantine, detected "
           f"{decision.issued_at - first_hit_at:.2f} s after the first hit")
@@ -113,26 +111,21 @@ def test_planted_divergent_blocks_are_caught_and_the_namespace_quarantined(fresh
     # The quarantine outlives the arbitrator (kept in JetStream): a new one, started after a SIGKILL, has it.
     stack.kill("arbitrator")
     stack.start_arbitrator()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if [d.target for d in quarantines(stack)] == [base.fingerprint_hex]:
-                break
-        except Exception:  # the new arbitrator is not answering yet
-            pass
-        time.sleep(0.3)
+    wait_until(lambda: [d.target for d in quarantines(stack)], 30, "the new arbitrator to have the quarantine",
+               done=lambda targets: targets == [base.fingerprint_hex], interval_s=0.3,
+               ignore=(nats.errors.NoRespondersError, nats.errors.TimeoutError))  # not answering yet
     assert [d.target for d in quarantines(stack)] == [base.fingerprint_hex]
 
     # An operator clears it: blocks are computed anew (correctly) and reused again, once the clearing
     # has reached the worker (a decision over NATS: on a loaded 2-core VM it took longer than 0.5 s).
     assert admin(stack.nats.url, "clear_quarantine", model_fingerprint=base.fingerprint_hex).ok
-    deadline = time.monotonic() + 30
-    while True:
+    def answered_again() -> dict:
         assert answer(chat(stack, QUESTIONS[0])) == references[QUESTIONS[0]]
         again = chat(stack, QUESTIONS[1])
         assert answer(again) == references[QUESTIONS[1]]
-        if cached(again) > 0 or time.monotonic() > deadline:
-            break
-        time.sleep(THINK_S)
+        return again
+
+    again = wait_until(answered_again, 30, "blocks reused again after the clearing",
+                       done=lambda again: cached(again) > 0, interval_s=THINK_S)
     assert cached(again) > 0
     assert not quarantines(stack)

@@ -12,7 +12,6 @@ as processes) with KITE_AUTH_ENABLED on, two tenants, and an explicit cluster se
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import subprocess
 import tempfile
@@ -31,6 +30,7 @@ from kite_shared.messages import PoolAdminRequest
 from kite_shared.security import hash_api_key
 from kite_shared.service import connect_nats
 from kite_shared.tiers.pool_client import PoolClient
+from tests.helpers import wait_until_async
 from tests.integration.conftest import MODEL, _start
 
 ALICE_KEY = "kite-alice-" + secrets.token_hex(12)
@@ -175,12 +175,10 @@ def test_tenant_over_its_token_rate_gets_429_and_other_tenants_are_served(secure
 async def test_worker_units_carry_a_valid_mac(secure_stack):
     nc = await nats.connect(secure_stack.nats.url)
     try:
-        stats = None
-        for _ in range(50):
-            stats = await PoolClient(nc).admin(PoolAdminRequest(op="stats"), timeout_s=10)
-            if stats is not None and stats.counters.get("puts", 0) > 0:
-                break
-            await asyncio.sleep(0.2)
+        # (Before: 50 tries 0.2 s apart.) A stats request that times out is None: not yet.
+        stats = await wait_until_async(lambda: PoolClient(nc).admin(PoolAdminRequest(op="stats"), timeout_s=10), 10,
+                                       "a worker's units put into the ru-pool",
+                                       done=lambda s: s is not None and s.counters.get("puts", 0) > 0, interval_s=0.2)
         assert stats is not None and stats.counters["puts"] > 0
         assert stats.counters["refused_corrupt"] == 0
     finally:

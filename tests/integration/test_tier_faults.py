@@ -167,9 +167,9 @@ class TierStack:
         hit read from `tier`. The first try may be partial (the worker's tier is still down until its
         backoff, at most KITE_TIER_BACKOFF_MAX_S, lets one probe through), so try fresh prompts until a
         deadline."""
-        deadline = time.monotonic() + timeout_s
         attempts = []
-        while True:
+
+        def full_hit_from_tier() -> bool:
             # The ru-pool may have marked the tier down too: it probes every sweep and writes go to the
             # tier only once it is back.
             self.wait_pool(f"{tier} tier up", lambda s: s.tiers[tier].up)
@@ -182,10 +182,11 @@ class TierStack:
             attempts.append((cached(body), prompt.full_hit_tokens, hits, round(elapsed, 2)))
             self.log.append(f"{tier} resume try {len(attempts)}: (cached, full, hits, s) {attempts[-1]}")
             assert answer(body) == prompt.reference
-            if cached(body) == prompt.full_hit_tokens and hits >= prompt.blocks:
-                self.log.append(f"{tier} hits resumed after {len(attempts)} tries: {attempts}")
-                return
-            assert time.monotonic() < deadline, f"{tier} hits did not resume: (cached, full, hits, s) {attempts}"
+            return cached(body) == prompt.full_hit_tokens and hits >= prompt.blocks
+
+        wait_until(full_hit_from_tier, timeout_s, f"{tier} hits to resume", interval_s=0,
+                   context=lambda: f"(cached, full, hits, s) {attempts}")
+        self.log.append(f"{tier} hits resumed after {len(attempts)} tries: {attempts}")
 
 
 def cached(body: dict) -> int:

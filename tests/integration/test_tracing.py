@@ -17,6 +17,7 @@ from kite_cli.local_servers import free_port
 from kite_shared.config import (CommonConfig, FingerprinterConfig, GatewayConfig, ModelConfig, RuPoolConfig,
                                 TierConfig, WorkerConfig, load)
 from kite_shared.service import ServiceRuntime
+from tests.helpers import wait_until_async
 
 MODEL = "smollm2-135m-instruct"
 
@@ -60,23 +61,18 @@ async def test_one_request_is_one_trace_across_every_service(nats_server, export
     await start_gateway(runtimes["gateway"], gateway_cfg)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
-            for _ in range(200):  # uvicorn binds in the background; the worker's heartbeat must arrive
-                try:
-                    if (await http.get("/health")).status_code == 200:
-                        break
-                except httpx.ConnectError:
-                    pass
-                await asyncio.sleep(0.1)
+            # uvicorn binds in the background; the worker's heartbeat must arrive (before: 200 tries 0.1 s apart)
+            await wait_until_async(lambda: http.get("/health"), 20, "the gateway's /health to answer 200",
+                                   done=lambda r: r.status_code == 200, interval_s=0.1, ignore=(httpx.ConnectError,))
             exporter.clear()
             r = await http.post("/v1/chat/completions", json={
                 "model": MODEL, "temperature": 0, "max_tokens": 4,
                 "messages": [{"role": "user", "content": "Tracing test: " + "one block of text " * 4}]})
             assert r.status_code == 200, r.text
-        for _ in range(50):  # the worker ends its span when the last stream event is published
-            names = {s.name for s in exporter.get_finished_spans()}
-            if "kite.worker.generate" in names:
-                break
-            await asyncio.sleep(0.1)
+        # The worker ends its span when the last stream event is published (before: 50 tries 0.1 s apart).
+        await wait_until_async(lambda: {s.name for s in exporter.get_finished_spans()}, 5,
+                               "the worker's kite.worker.generate span to end",
+                               done=lambda names: "kite.worker.generate" in names, interval_s=0.1)
         spans = exporter.get_finished_spans()
         by_name = {s.name: s for s in spans}
         assert {"kite.gateway.generate", "kite.fingerprinter.admit", "kite.worker.generate",

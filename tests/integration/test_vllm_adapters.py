@@ -9,12 +9,12 @@ about a minute to start on two cores, so one stack walks through the phases in o
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from kite_cli.stack import StackOptions
+from tests.helpers import wait_until
 from tests.integration import http_chat
 from tests.integration.conftest import MODEL, _start
 from tests.integration.http_chat import answer, cached
@@ -74,9 +74,8 @@ def test_adapters_on_vllm_reuse_their_own_blocks_and_load_at_run_time(vllm_adapt
             assert answer(again) == answer(references[model]), model
 
         # Each model's blocks reach the pool under its own model tag, and only there.
-        deadline = time.monotonic() + 60
-        while set(warm_tags(stack)) != set(tags.values()) and time.monotonic() < deadline:
-            time.sleep(0.5)
+        wait_until(lambda: warm_tags(stack), 60, "each model's blocks in warm under its own tag",
+                   done=lambda found: set(found) == set(tags.values()), interval_s=0.5)
         assert set(warm_tags(stack)) == set(tags.values())
         assert all(count >= system_blocks for count in warm_tags(stack).values())
 

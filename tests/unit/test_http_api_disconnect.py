@@ -12,6 +12,7 @@ import pytest
 
 from kite_shared.messages import StreamEnd, Usage
 from kite_gateway.http_api import CLIENT_CLOSED_REQUEST, create_app
+from tests.helpers import wait_until_async
 
 
 class HangingGeneration:
@@ -98,12 +99,8 @@ async def call(client: Client, path: str, body: dict, disconnect: bool) -> list[
     return sent
 
 
-async def within_2_s(condition) -> None:
-    for _ in range(40):
-        if condition():
-            return
-        await asyncio.sleep(0.05)
-    assert condition()
+async def within_2_s(condition, what: str) -> None:
+    await wait_until_async(condition, 2.0, what, interval_s=0.05)  # before: 40 tries 0.05 s apart
 
 
 BODIES = {"/v1/chat/completions": {"model": "m", "n": 2, "messages": [{"role": "user", "content": "hi"}]},
@@ -170,7 +167,7 @@ async def test_a_generation_that_swallows_a_cancel_is_cancelled_again_and_closed
     assert [g.num_closes for g in client.generations] == [1, 1]  # each worker told to stop at once
     # A stream's pumps may still be ending (the response's cancel scope does not wait for them): the
     # second cancel comes within cancel_and_wait's interval (0.5 s).
-    await within_2_s(lambda: all(g.cancelled for g in client.generations))
+    await within_2_s(lambda: all(g.cancelled for g in client.generations), "every generation cancelled")
 
 
 class SlowClosingGeneration(HangingGeneration):
@@ -189,4 +186,4 @@ async def test_generations_whose_close_suspends_are_all_closed_when_the_client_g
     await call(client, path, {**BODIES[path], "stream": stream}, disconnect=True)
     assert len(client.generations) == 2
     # The closes go on after the response's cancel scope gave up on them.
-    await within_2_s(lambda: [g.num_closes for g in client.generations] == [1, 1])
+    await within_2_s(lambda: [g.num_closes for g in client.generations] == [1, 1], "each generation closed once")

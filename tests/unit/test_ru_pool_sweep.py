@@ -17,6 +17,7 @@ from kite_ru_pool.lifecycle import Archive, ExpireCold, RenewWarm
 from kite_ru_pool.gc_freeze import IndexGcFreezer
 from kite_ru_pool.telemetry import loop_lag_probe
 from kite_shared.tiers.keys import BlockKey
+from tests.helpers import wait_until_async
 
 FPS = ["33" * 32, "44" * 32, "55" * 32]
 
@@ -210,10 +211,8 @@ async def test_loop_lag_probe_sees_a_blocked_loop():
     probe = asyncio.create_task(loop_lag_probe(0.005, seen.append))
 
     async def until_samples(count: int) -> None:
-        deadline = time.monotonic() + 10.0
-        while len(seen) < count:
-            assert time.monotonic() < deadline, f"the probe took {len(seen)} samples, waited for {count}"
-            await asyncio.sleep(0.005)
+        await wait_until_async(lambda: len(seen), 10.0, f"the probe to take {count} samples",
+                               done=lambda taken: taken >= count, interval_s=0.005)
 
     await until_samples(2)
     quiet = len(seen)

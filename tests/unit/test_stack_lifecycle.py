@@ -18,6 +18,7 @@ import pytest
 
 from kite_cli import main as kite_main
 from kite_cli.stack import LocalStack, ServiceProcess, StackOptions, StartInterrupted
+from tests.helpers import wait_until
 
 SLEEP = "import time; time.sleep(60)"
 
@@ -149,10 +150,8 @@ def test_stop_kills_what_ignores_sigterm_with_its_process_group_once_its_time_is
     stubborn = stack.spawn("worker", "worker-1", deaf)
     gateway = stack.spawn("gateway", "gateway")
     ru_pool = stack.spawn("ru-pool", "ru-pool")
-    deadline = time.monotonic() + 10
-    while not psutil.Process(stubborn.process.pid).children():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: psutil.Process(stubborn.process.pid).children(), 10, "the deaf worker's child process",
+               interval_s=0.05)
     child = psutil.Process(stubborn.process.pid).children()[0]
     time.sleep(0.3)  # its SIGTERM handler is set
     started = time.monotonic()

@@ -62,6 +62,18 @@ def test_ignored_exceptions_are_not_yet_and_others_propagate():
         wait_until(always_refused, 5.0, "the service")  # not ignored: the first one ends the wait
 
 
+def test_describe_shows_the_last_value_and_an_ignored_exception_as_it_is():
+    with pytest.raises(AssertionError, match=r"last value seen: body \{'outcome': 'explore'\}"):
+        wait_until(lambda: {"outcome": "explore"}, 0.0, "a hit", done=lambda v: v["outcome"] == "hit",
+                   describe=lambda v: f"body {v}")
+
+    def refused():
+        raise ConnectionError("refused")
+
+    with pytest.raises(AssertionError, match=r"last value seen: ConnectionError\('refused'\)"):
+        wait_until(refused, 0.0, "the service", ignore=(ConnectionError,), describe=lambda v: v["outcome"])
+
+
 async def test_wait_until_async_awaits_the_probe_and_lets_the_loop_run():
     box: list[int] = []
 
