@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import httpx
 import openai
 import pytest
@@ -79,13 +78,13 @@ def test_seeded_sampling_is_reproducible_and_n_choices(client):
     assert [c.index for c in r.choices] == [0, 1, 2]
 
 
-def served_length(stack) -> int | None:
+def served_length(stack) -> int:
     """/v1/models' max_model_len of the default model, once a worker's heartbeat has told the gateway (a
     worker's first beats, sent while it sets up, name no model yet)."""
     listed = wait_until(lambda: {m["id"]: m for m in httpx.get(stack.http_url + "/v1/models").json()["data"]},
                         10, f"/v1/models to give {MODEL}'s max_model_len",
                         done=lambda listed: "max_model_len" in listed[MODEL], interval_s=0.2)
-    return listed[MODEL].get("max_model_len")
+    return listed[MODEL]["max_model_len"]
 
 
 def test_models_lists_the_default_model(kite_stack, client):
