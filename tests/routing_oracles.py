@@ -1,4 +1,5 @@
-"""The routing code as it was before issue 38, kept verbatim as oracles: the seeded equivalence tests
+"""The routing code as it was before issue 38's incremental search (the cost, the session rule and the
+worker state since follow the current code), kept as oracles: the seeded equivalence tests
 (tests/unit/test_routing_equivalence.py) check that the incremental code decides exactly as these do, and
 bench/bench_routing_scale.py times both side by side. Not used by any service."""
 
@@ -6,7 +7,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from kite_shared.routing import RouteChoice, RouteRequest, RoutingKnobs, WorkerState, cost
+from kite_shared.routing import RouteChoice, RouteRequest, RoutingKnobs, WorkerState, cost, session_sticks
 
 
 def _least_loaded(workers: Sequence[WorkerState]) -> WorkerState:
@@ -33,12 +34,12 @@ def choose(workers: Sequence[WorkerState], req: RouteRequest, knobs: RoutingKnob
     if imbalanced(workers, knobs):
         return RouteChoice(_least_loaded(workers).worker_id, "balance")
     by_id = {w.worker_id: w for w in workers}
-    if req.session_worker in by_id:
+    if req.session_worker in by_id and (req.local_blocks is None or session_sticks(by_id[req.session_worker])):
         return RouteChoice(req.session_worker, "session")
     if req.local_blocks is None:
         return RouteChoice(_least_loaded(workers).worker_id, "least_loaded")
     costs = {w.worker_id: cost(w, req, knobs) for w in workers}
-    best = min(workers, key=lambda w: (round(costs[w.worker_id], 6), w.requests, w.worker_id))
+    best = min(workers, key=lambda w: (round(costs[w.worker_id], 6), w.requests, w.requests_accepted, w.worker_id))
     return RouteChoice(best.worker_id, "cache_aware", costs)
 
 
@@ -54,7 +55,9 @@ def candidates(live, now: float) -> list[WorkerState]:
             worker_id=w.worker_id, num_running=w.num_running, queue_depth=w.num_queued,
             running_tokens=t.running_tokens, backlog_tokens=t.prefill_backlog_tokens,
             pending_tokens=sum(p.tokens for p in w.pending.values()), pending_requests=len(w.pending),
-            reads_pool=t.pool_read))
+            reads_pool=t.pool_read, requests_accepted=t.requests_accepted + len(w.pending),
+            prefill_s_per_token=(1 / t.prefill_tokens_per_s if t.prefill_tokens_per_s > 0
+                                 else live.fallback_prefill_s_per_token)))
     return out
 
 

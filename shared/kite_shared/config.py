@@ -514,14 +514,20 @@ class FingerprinterConfig(_Admission, _MetricsPort, _Telemetry):
         "KITE_ROUTER_LOOKUP_TIMEOUT_S", "0.05", "How long routing waits for the ru-pool's prefix lookup before "
         "falling back to least-loaded.", minimum=0.001)
     router_affinity_weight: float = env(
-        "KITE_ROUTER_AFFINITY_WEIGHT", "1.0", "Weight of prefill blocks still to compute on a worker in its "
-        "routing cost (Dynamo's prefill_load_scale, default 1.0); the arbitrator may override it.", minimum=0)
+        "KITE_ROUTER_AFFINITY_WEIGHT", "1.0", "Weight of the request's own prefill seconds on a worker (the "
+        "blocks it would compute or load there) in its routing cost (Dynamo's prefill_load_scale, default "
+        "1.0); the arbitrator may override it.", minimum=0)
     router_load_weight: float = env(
-        "KITE_ROUTER_LOAD_WEIGHT", "1.0", "Weight of a worker's load (running + queued blocks) in its routing "
-        "cost (Dynamo's decode blocks term, weight 1.0); the arbitrator may override it.", minimum=0)
-    router_pool_hit_weight: float = env(
-        "KITE_ROUTER_POOL_HIT_WEIGHT", "0.75", "Credit of a prefix block the ru-pool holds (but the worker does "
-        "not), relative to a local hit (Dynamo's host-tier weight 0.75).", minimum=0)
+        "KITE_ROUTER_LOAD_WEIGHT", "1.0", "Weight of a worker's queue (seconds of prefill work ahead of the "
+        "request) in its routing cost; the arbitrator may override it.", minimum=0)
+    router_prefill_s_per_token: float = env(
+        "KITE_ROUTER_PREFILL_S_PER_TOKEN", "0.00235", "Seconds a prompt token takes to compute, for routing "
+        "until workers report their measured prefill speed (which then replaces it, per worker and as the "
+        "fleet's mean). Default: vLLM-CPU SmolLM2-135M on a 2-core host, 425 tokens/s.", minimum=1e-9)
+    router_pool_load_s_per_token: float = env(
+        "KITE_ROUTER_POOL_LOAD_S_PER_TOKEN", "0.0003", "Seconds a prompt token's KV takes to load from the "
+        "ru-pool, in routing costs (against computing it). Default: a restarted worker loading a "
+        "1,024-token prompt from warm in 0.31 s (docs/benchmarks.md).", minimum=0)
     router_session_ttl_s: float = env(
         "KITE_ROUTER_SESSION_TTL_S", "600", "Seconds a session id (`kite.session_id`) stays bound to the worker "
         "that served it.", minimum=1)

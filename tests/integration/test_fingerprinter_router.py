@@ -115,3 +115,61 @@ async def test_without_a_pool_answer_blocks_in_flight_still_count(nats_server):
         assert received == ["w1", "w1"]
     finally:
         await nc.close()
+
+
+async def test_a_sessions_turn_stays_with_its_worker_until_waiting_there_costs_more_than_moving(nats_server):
+    """A session's turn goes to the worker that served its previous turn without asking the pool while
+    nothing is queued there; with work ahead it is costed: it stays behind a short queue (its history is
+    held there, the pool's index not told yet) and moves when the history loads from the pool elsewhere
+    sooner than that worker's queue drains."""
+    nc = await nats.connect(nats_server.url)
+    received: dict[str, list[str]] = {"w1": [], "w2": []}
+    lookups = []
+    pool_holds = {"blocks": 0}
+
+    async def pool_lookup(msg):
+        lookups.append(msg.data)
+        await msg.respond(PoolLookupReply(pool=pool_holds["blocks"], workers={}).encode())
+
+    def worker(worker_id: str):
+        async def on_generate(msg):
+            received[worker_id].append(TokenizedRequest.decode(msg.data).request_id)
+            await msg.respond(Admission(accepted=True, worker_id=worker_id).encode())
+        return on_generate
+
+    await nc.subscribe(subjects.POOL_LOOKUP, cb=pool_lookup)
+    for worker_id in received:
+        await nc.subscribe(subjects.worker_generate(worker_id), cb=worker(worker_id))
+    router = Router(nc, load(FingerprinterConfig, router_mode="cache_aware"), worker_timeout_s=2.0)
+
+    def report(worker_id: str, backlog: int, admitted: list[str]) -> None:
+        router.live.telemetry(WorkerTelemetry(instance_id=worker_id, max_running=8, prefill_tokens_per_s=425.0,
+                                              prefill_backlog_tokens=backlog, admitted_request_ids=admitted),
+                              time.monotonic())
+
+    try:
+        report("w1", 0, [])
+        report("w2", 0, [])
+        assert (await router.dispatch(tokenized("turn-1"), session_id="s")).accepted
+        bound = "w1" if received["w1"] else "w2"
+        other = "w2" if bound == "w1" else "w1"
+        assert len(lookups) == 1
+        report(bound, 0, ["turn-1"])
+
+        await router.dispatch(tokenized("turn-2"), session_id="s")  # nothing queued there: no lookup
+        assert received[bound] == ["turn-1", "turn-2"] and len(lookups) == 1
+
+        report(bound, 8, ["turn-2"])  # 8 tokens ahead, the pool holds nothing: stays
+        await router.dispatch(tokenized("turn-3"), session_id="s")
+        assert received[bound] == ["turn-1", "turn-2", "turn-3"] and len(lookups) == 2
+
+        report(bound, 4000, ["turn-3"])  # ~9 s ahead; the pool holds the 2 blocks: moves
+        pool_holds["blocks"] = 2
+        await router.dispatch(tokenized("turn-4"), session_id="s")
+        assert received[other] == ["turn-4"] and len(lookups) == 3
+
+        report(other, 0, ["turn-4"])  # bound there now
+        await router.dispatch(tokenized("turn-5"), session_id="s")
+        assert received[other] == ["turn-4", "turn-5"] and len(lookups) == 3
+    finally:
+        await nc.close()

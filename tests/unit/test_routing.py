@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kite_shared.routing import InFlight, RouteRequest, RoutingKnobs, WorkerState, choose, cost, imbalanced
+from kite_shared.routing import (InFlight, RouteRequest, RoutingKnobs, WorkerState, choose, cost, imbalanced,
+                                 session_sticks)
 
 W = WorkerState
 BS = 16
@@ -21,24 +22,30 @@ CASES = [
     ("local prefix wins",
      [W("a"), W("b")], RouteRequest(320, BS, local_blocks={"b": 18}, pool_blocks=0), RoutingKnobs(),
      "cache_aware", "b", "cache_aware"),
-    ("local prefix beats a small load",
-     [W("a"), W("b", num_running=1, running_tokens=64)],
+    ("local prefix beats a small queue",
+     [W("a"), W("b", num_running=1, backlog_tokens=64)],
      RouteRequest(320, BS, local_blocks={"b": 18}), RoutingKnobs(), "cache_aware", "b", "cache_aware"),
-    ("heavy load outweighs the prefix",
-     [W("a"), W("b", num_running=3, running_tokens=4000)],
+    ("a long queue outweighs the prefix",
+     [W("a"), W("b", num_running=3, backlog_tokens=4000)],
      RouteRequest(320, BS, local_blocks={"b": 18}), RoutingKnobs(), "cache_aware", "a", "cache_aware"),
-    ("affinity weight 0 -> pure load",
-     [W("a"), W("b", num_running=1, running_tokens=32)],
+    ("decoding requests are no queue: the holder wins, whatever it holds in KV",
+     [W("a"), W("b", num_running=3, running_tokens=4000)],
+     RouteRequest(320, BS, local_blocks={"b": 18}), RoutingKnobs(), "cache_aware", "b", "cache_aware"),
+    ("a faster worker's queue drains sooner",
+     [W("a", backlog_tokens=400, prefill_s_per_token=0.01), W("b", backlog_tokens=1000, prefill_s_per_token=0.001)],
+     RouteRequest(320, BS, local_blocks={}), RoutingKnobs(), "cache_aware", "b", "cache_aware"),
+    ("affinity weight 0 -> pure queue",
+     [W("a"), W("b", num_running=1, backlog_tokens=32)],
      RouteRequest(320, BS, local_blocks={"b": 18}), RoutingKnobs(affinity_weight=0.0), "cache_aware",
      "a", "cache_aware"),
-    ("pool hit weighted 0.75 < local hit",
+    ("a pool block costs its load, a local one nothing",
      [W("a"), W("b")], RouteRequest(320, BS, local_blocks={"b": 10}, pool_blocks=10), RoutingKnobs(),
      "cache_aware", "b", "cache_aware"),
-    ("pool credit reduces everyone's prefill alike",
-     [W("a"), W("b", running_tokens=16)], RouteRequest(320, BS, local_blocks={}, pool_blocks=20),
+    ("loading from the pool beats waiting behind a queue",
+     [W("a"), W("b", backlog_tokens=48)], RouteRequest(320, BS, local_blocks={"b": 20}, pool_blocks=20),
      RoutingKnobs(), "cache_aware", "a", "cache_aware"),
     ("no pool credit for a worker that does not read the pool",
-     [W("a", reads_pool=False), W("b", running_tokens=64)], RouteRequest(320, BS, local_blocks={}, pool_blocks=20),
+     [W("a", reads_pool=False), W("b", backlog_tokens=64)], RouteRequest(320, BS, local_blocks={}, pool_blocks=20),
      RoutingKnobs(), "cache_aware", "b", "cache_aware"),
     ("pending requests since telemetry count as load",
      [W("a", pending_tokens=640, pending_requests=2), W("b")],
@@ -46,6 +53,17 @@ CASES = [
     ("session affinity",
      [W("a"), W("b")], RouteRequest(320, BS, session_worker="a", local_blocks={"b": 18}), RoutingKnobs(),
      "cache_aware", "a", "session"),
+    ("session affinity with work ahead and no pool answer",
+     [W("a", backlog_tokens=2000), W("b")], RouteRequest(320, BS, session_worker="a", session_blocks=18),
+     RoutingKnobs(), "cache_aware", "a", "session"),
+    ("a session yields when its history loads from the pool elsewhere sooner than its worker's queue drains",
+     [W("a", backlog_tokens=2000), W("b")],
+     RouteRequest(320, BS, session_worker="a", session_blocks=18, local_blocks={}, pool_blocks=18),
+     RoutingKnobs(), "cache_aware", "b", "cache_aware"),
+    ("a session stays behind a short queue: its previous turn's blocks are held there",
+     [W("a", backlog_tokens=16), W("b")],
+     RouteRequest(320, BS, session_worker="a", session_blocks=18, local_blocks={}, pool_blocks=0),
+     RoutingKnobs(), "cache_aware", "a", "cache_aware"),
     ("session worker gone -> cost",
      [W("a"), W("b")], RouteRequest(320, BS, session_worker="c", local_blocks={"b": 18}), RoutingKnobs(),
      "cache_aware", "b", "cache_aware"),
@@ -68,7 +86,7 @@ CASES = [
      RouteRequest(336, BS, local_blocks={}, inflight_blocks={"b": 20}, computing_blocks={"b": 20}), RoutingKnobs(), "cache_aware", "b",
      "cache_aware"),
     ("in flight, but its other work outweighs computing the prefix elsewhere",
-     [W("a"), W("b", running_tokens=400, pending_tokens=320, pending_requests=1)],
+     [W("a"), W("b", backlog_tokens=400, pending_tokens=320, pending_requests=1)],
      RouteRequest(336, BS, local_blocks={}, inflight_blocks={"b": 20}, computing_blocks={"b": 20}), RoutingKnobs(), "cache_aware", "a",
      "cache_aware"),
     ("equal cost -> name order",
@@ -93,32 +111,50 @@ def test_round_robin_cycles():
     assert picked == ["a", "b", "c", "a", "b", "c"]
 
 
-@pytest.mark.parametrize("local,pool,load_tokens,expected", [
-    (0, 0, 0, 20.0),  # 320 tokens = 20 blocks to compute
-    (20, 0, 0, 0.0),
-    (10, 10, 0, 10 - 0.0),  # pool holds no more than the local 10: credit 10
-    (10, 20, 0, 20 - 10 - 0.75 * 10),
-    (0, 20, 160, 20 - 15 + 10),  # + 10 blocks of load
+P, L = 0.002, 0.0005  # seconds a token takes to compute, and to load from the pool
+KNOBS = RoutingKnobs(prefill_s_per_token=P, pool_load_s_per_token=L)
+
+
+@pytest.mark.parametrize("local,pool,queue_tokens,knobs,expected", [
+    (0, 0, 0, KNOBS, 320 * P),  # 320 tokens to compute
+    (20, 0, 0, KNOBS, 0.0),
+    (10, 10, 0, KNOBS, 160 * P),  # the pool holds no more than the local 10: 10 blocks to compute
+    (10, 20, 0, KNOBS, 160 * L),  # 10 blocks to load
+    (0, 20, 160, KNOBS, 320 * L + 160 * P),  # + 160 tokens of queue at the worker's speed
+    (0, 20, 0, RoutingKnobs(prefill_s_per_token=P, pool_load_s_per_token=10 * P), 320 * P),  # loading is slower
+    (0, 0, 160, RoutingKnobs(prefill_s_per_token=P, load_weight=2.0, affinity_weight=0.5), 160 * P + 320 * P),
 ])
-def test_cost_formula(local, pool, load_tokens, expected):
+def test_cost_formula(local, pool, queue_tokens, knobs, expected):
     req = RouteRequest(320, BS, local_blocks={"w": local}, pool_blocks=pool)
-    assert cost(W("w", running_tokens=load_tokens), req, RoutingKnobs()) == pytest.approx(expected)
+    w = W("w", backlog_tokens=queue_tokens, running_tokens=999, prefill_s_per_token=P)  # decoding: no queue
+    assert cost(w, req, knobs) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("local,inflight,computing,running,uncomputed,expected", [
-    (0, 20, 20, 0, 320, 0.0),  # all 20 blocks in flight there and not computed yet: no prefill, no queue
-    (0, 20, 20, 160, 320, 10.0),  # its other running work still counts
-    (0, 10, 10, 0, 320, 10 + 20 - 10),  # 10 to compute; of its 20 uncomputed blocks 10 are this prefix's
-    (0, 20, 20, 0, 64, 0.0 + 4 - 4),  # only what is still uncomputed comes off the load
-    (12, 20, 8, 0, 320, 0.0 + 20 - 8),  # the 12 it holds were never load; the 8 in flight are
-    (20, 20, 20, 0, 320, 0.0 + 20 - 20),  # the index names it a holder of blocks it is still computing
-    (20, 0, 0, 0, 320, 0.0 + 20),  # held, none sent to it to compute: all of its backlog is a queue
+@pytest.mark.parametrize("local,inflight,computing,queued,uncomputed,expected_tokens", [
+    (0, 20, 20, 0, 320, 0),  # all 20 blocks in flight there and not computed yet: no prefill, no queue
+    (0, 20, 20, 160, 320, 160),  # its other queued work still counts
+    (0, 10, 10, 0, 320, 160 + 320 - 160),  # 10 to compute; of its 20 uncomputed blocks 10 are this prefix's
+    (0, 20, 20, 0, 64, 0 + 64 - 64),  # only what is still uncomputed comes off the queue
+    (12, 20, 8, 0, 320, 0 + 320 - 128),  # the 12 it holds were never queued; the 8 in flight are
+    (20, 20, 20, 0, 320, 0 + 320 - 320),  # the index names it a holder of blocks it is still computing
+    (20, 0, 0, 0, 320, 0 + 320),  # held, none sent to it to compute: all of its backlog is a queue
 ])
-def test_cost_formula_in_flight(local, inflight, computing, running, uncomputed, expected):
+def test_cost_formula_in_flight(local, inflight, computing, queued, uncomputed, expected_tokens):
     req = RouteRequest(320, BS, local_blocks={"w": local}, inflight_blocks={"w": inflight},
                        computing_blocks={"w": computing})
-    w = W("w", running_tokens=running, backlog_tokens=uncomputed // 2, pending_tokens=uncomputed - uncomputed // 2)
-    assert cost(w, req, RoutingKnobs()) == pytest.approx(expected)
+    # `queued` is other work, not this prefix's: in the backlog beside the prefix's uncomputed tokens
+    w = W("w", backlog_tokens=queued + uncomputed // 2, pending_tokens=uncomputed - uncomputed // 2,
+          prefill_s_per_token=P)
+    assert cost(w, req, KNOBS) == pytest.approx(expected_tokens * P)
+
+
+def test_a_bound_session_is_costed_only_with_work_ahead():
+    assert session_sticks(W("a", running_tokens=5000, num_running=4))  # decoding is no queue
+    assert not session_sticks(W("a", backlog_tokens=1))
+    assert not session_sticks(W("a", pending_tokens=1))
+    # costed, the bound worker holds the previous turn's blocks whatever the pool's index says
+    req = RouteRequest(320, BS, session_worker="a", session_blocks=18, local_blocks={"a": 2})
+    assert cost(W("a", prefill_s_per_token=P), req, KNOBS) == pytest.approx(32 * P)
 
 
 def test_in_flight_blocks_lead_from_what_a_worker_holds_and_expire_in_order():

@@ -27,7 +27,9 @@ def random_state(rng: random.Random, worker_id: str) -> WorkerState:
     return WorkerState(worker_id, num_running=rng.choice((0, 0, 1, 2)), queue_depth=rng.choice((0, 0, 1, 3, 40)),
                        running_tokens=rng.choice((0, 0, 16, 32, 320, 1000)),
                        backlog_tokens=rng.choice((0, 0, 16, 48)), pending_tokens=rng.choice((0, 0, 8)),
-                       pending_requests=rng.choice((0, 0, 1)), reads_pool=rng.random() < 0.8)
+                       pending_requests=rng.choice((0, 0, 1)), reads_pool=rng.random() < 0.8,
+                       prefill_s_per_token=rng.choice((1 / 425, 1 / 425, 1 / 400, 1e-4)),
+                       requests_accepted=rng.choice((0, 0, 3, 7)))
 
 
 def random_request(rng: random.Random, ids: list[str]) -> RouteRequest:
@@ -39,6 +41,7 @@ def random_request(rng: random.Random, ids: list[str]) -> RouteRequest:
             local["not-a-candidate"] = 5
     session = rng.choice(("", "", "", rng.choice(ids) if ids else "", "gone"))
     return RouteRequest(prompt_tokens=rng.choice((16, 160, 320, 333)), block_size=BS, session_worker=session,
+                        session_blocks=rng.choice((0, 4, 19)) if session else 0,
                         local_blocks=local, pool_blocks=rng.choice((0, 0, 5, 20)))
 
 
@@ -110,7 +113,8 @@ def telemetry(rng: random.Random, worker_id: str, sent_at: float, admitted: list
                            queue_depth=rng.choice((0, 0, 1, 40)), running_tokens=rng.choice((0, 32, 500)),
                            prefill_backlog_tokens=rng.choice((0, 16)), draining=rng.random() < 0.05,
                            standby=rng.random() < 0.05, healthy=rng.random() > 0.05,
-                           pool_read=rng.random() < 0.8)
+                           pool_read=rng.random() < 0.8, prefill_tokens_per_s=rng.choice((0.0, 425.0, 9000.0)),
+                           requests_accepted=rng.choice((0, 5, 9)))
 
 
 @pytest.mark.parametrize("seed", range(4))

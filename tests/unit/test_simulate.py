@@ -126,12 +126,15 @@ def test_pool_work_charged_to_placement_keys_adds_up(results, trace):
         assert 0 < by_tenant.num_events <= by_segment.num_events
 
 
-def test_a_sessions_turns_land_on_one_worker(results):
+def test_a_sessions_turns_stay_on_their_worker_unless_work_is_ahead_there(results):
+    """A turn goes to its session's worker when nothing is queued there ("session"); otherwise it is
+    costed with the others ("cache_aware") and moves when loading its history elsewhere is sooner."""
     ca = results["cache_aware"]
-    assert ca.followups > 0
-    assert ca.followups_same_worker == ca.followups
-    assert ca.reasons["session"] == ca.followups
-    assert ca.reasons["cache_aware"] == ca.num_requests - ca.followups
+    assert ca.followups > 0 and ca.num_queue_group == 0
+    assert 0 < ca.reasons["session"] < ca.followups  # in this trace some turns find a queue at their worker
+    assert ca.reasons["session"] + ca.reasons["cache_aware"] == ca.num_requests
+    assert ca.reasons["session"] <= ca.followups_same_worker < ca.followups
+    assert ca.followups_same_worker > ca.followups / 2
     # round robin ignores sessions: the next turn lands elsewhere most of the time
     assert results["round_robin"].followups_same_worker < results["round_robin"].followups / 2
 
@@ -203,11 +206,18 @@ def test_run_and_command_line(tmp_path, capsys):
     report = json.loads(out.read_text())
     full, compared = report["runs"]
     assert [m["mode"] for m in full["modes"]] == ["cache_aware"]
-    assert full["modes"][0]["index_blocks_match_trace"] is True
+
+    def indexed_all(m: dict) -> bool:
+        """Every block of the trace is in the pool's index, but for requests the arbitrator shed (a worker
+        prefilling an 8k-token document predicts a TTFT over the SLO on 2-4 workers)."""
+        return m["index_blocks_match_trace"] or m["shed_by_admission"] > 0
+
+    assert indexed_all(full["modes"][0])
     assert [m["mode"] for m in compared["modes"]] == ["cache_aware", "round_robin", "least_loaded"]
     assert compared["workers"] == 2 and compared["distinct_blocks"] >= 1000
     assert all(m["requests"] == compared["requests"] == report["compare_trace"]["requests"]
-               and m["index_blocks_match_trace"] for m in compared["modes"])
+               and indexed_all(m) for m in compared["modes"])
+    assert any(m["index_blocks_match_trace"] for m in compared["modes"])  # round robin shed none here
     assert report["pool_memory"]["bytes_per_block"] > 0
     assert report["pool_sweep"]["slices"] >= 1
     sharding = full["modes"][0]["pool_sharding"]

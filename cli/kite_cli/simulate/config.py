@@ -62,6 +62,7 @@ class FleetConfig:
     pool_hot_bytes: int = 2 << 30  # KITE_POOL_HOT_BYTES
     pool_read: bool = True  # KITE_WORKER_POOL_READ
     session_ttl_s: float = 600.0  # KITE_ROUTER_SESSION_TTL_S
+    inflight_s: float = 10.0  # KITE_ROUTER_INFLIGHT_S
     # The service: KITE_TELEMETRY_INTERVAL_S 1 s, evaluations on telemetry and every 0.25 s. Here 5 s
     # for both (kite_cli/simulate/__init__.py says why) and a staleness limit of three intervals.
     telemetry_interval_s: float = 5.0

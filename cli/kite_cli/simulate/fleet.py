@@ -4,8 +4,9 @@ A discrete-event loop over simulated time. What decides is KITE's own pure code,
 services drive it:
 - routing: `kite_shared.routing.choose` over a `routing.Candidates` kept current per worker change (as
   kite_fingerprinter/router.py's LiveWorkers keeps it), fed as the router feeds it (session binding
-  with its TTL, the ru-pool lookup with `include_workers` unless the session is bound, the round-robin
-  counter, the queue-group fallback when the chosen worker refuses);
+  with its TTL, the ru-pool lookup with `include_workers` unless the session's worker has nothing
+  queued, the blocks in flight (`routing.InFlight`), the round-robin counter, the queue-group fallback
+  when the chosen worker refuses);
 - the ru-pool: one `kite_ru_pool.core.PoolCore` with its real hot tier (`HotLRU`), written through to
   an unbounded warm tier, fed the workers' BlockStored/BlockRemoved events and looked up by the router
   and the workers, as kite_ru_pool/service.py does (writes: `admit_put`, `reserve_quota`, `put_hot`; the
@@ -36,7 +37,8 @@ from kite_arbitrator.rules import load_rules
 from kite_ru_pool.core import PoolCore
 from kite_ru_pool.index import HOT, WARM
 from kite_shared.messages import WorkerTelemetry
-from kite_shared.routing import Candidates, RouteRequest, RoutingKnobs, WorkerState, choose
+from kite_shared.routing import (Candidates, InFlight, RouteRequest, RoutingKnobs, WorkerState, choose,
+                                 session_sticks)
 from kite_shared.tiers.keys import BlockKey, model_tag
 from kite_worker.engines.reference.block_cache import BlockCache
 from kite_worker.pool_loader import CostModel, TierEstimate
@@ -88,6 +90,7 @@ class _Job:
     warm: int = 0  # ... then loaded from warm
     service_s: float = 0.0  # prefill (compute + loads)
     queued_at: float = 0.0
+    backlog_tokens: int = 0  # prompt tokens expected to be computed, counted in the worker's backlog
 
 
 @dataclass(slots=True)
@@ -98,7 +101,7 @@ class _Worker:
     prefilling: _Job | None = None
     num_decoding: int = 0
     running_tokens: int = 0  # prompt + output tokens of requests prefilling or decoding
-    backlog_tokens: int = 0  # prompt tokens queued for prefill
+    backlog_tokens: int = 0  # prompt tokens admitted and expected to be computed (queued or prefilling)
     busy_s: float = 0.0  # prefill seconds served
     num_served: int = 0
     seq: int = 0  # BlockStored / BlockRemoved numbering
@@ -185,13 +188,16 @@ class FleetSim:
         self.workers = [_Worker(f"worker-{i:04d}", BlockCache(cfg.worker_cache_bytes))
                         for i in range(cfg.num_workers)]
         self.index_of = {w.worker_id: i for i, w in enumerate(self.workers)}
-        self.states = [WorkerState(w.worker_id, reads_pool=cfg.pool_read) for w in self.workers]
+        self.prefill_s_per_token = 1.0 / cost.prefill_tokens_per_s
+        self.states = [WorkerState(w.worker_id, reads_pool=cfg.pool_read, prefill_s_per_token=self.prefill_s_per_token)
+                       for w in self.workers]
         # the router's candidates as kite_fingerprinter/router.py's LiveWorkers keeps them: updated per
         # worker on a change, standby workers out
         self.view = Candidates(self.states)
         self.num_standby = 0
-        self.knobs = RoutingKnobs()
-        self.sessions: dict[str, tuple[str, float]] = {}  # kite_fingerprinter/router.py's binding
+        # session id -> (worker, expires, the previous turn's prompt blocks): kite_fingerprinter/router.py's
+        self.sessions: dict[str, tuple[str, float, int]] = {}
+        self.inflight = InFlight(cfg.inflight_s)  # blocks sent to workers to compute, as the router keeps them
         self.rr = 0
         self.rng = random.Random(seed)  # the queue group's pick
         # The worker's load-or-recompute model, seeded with this machine's measured bandwidths; plan()
@@ -202,6 +208,10 @@ class FleetSim:
         self.cost_model.tiers["w"] = TierEstimate(latency_s=0.001, bytes_per_s=cost.warm_load_mb_s * 1e6)
         self.plan = lru_cache(maxsize=1 << 16)(self.cost_model.plan)
         self.fetch_seconds = lru_cache(maxsize=1 << 16)(self.cost_model.fetch_seconds)
+        # the router's fleet speeds: the workers' prefill, and a block's load from warm (the tier that
+        # holds every block here) as the workers' loader estimates it
+        self.knobs = RoutingKnobs(prefill_s_per_token=self.prefill_s_per_token,
+                                  pool_load_s_per_token=self.fetch_seconds(b"w") / self.bs)
         rules, version = load_rules(None)
         self.arbitrator = ArbitratorCore(rules=rules, rules_version=version, min_hold_s=cfg.min_hold_s,
                                          stale_s=cfg.stale_s, ttft_slo_s=cfg.ttft_slo_s, started_at=0.0)
@@ -274,7 +284,7 @@ class FleetSim:
             res.num_shed += 1
             return 0
         tenant = self.trace.session_tenant[r.session]
-        worker_id = self._route(r, now)
+        worker_id, pool_blocks, held = self._route(r, now)
         w = self.index_of[worker_id] if worker_id else -1
         if w < 0 or len(self.workers[w].queue) >= self.cfg.max_queued:
             # Router.dispatch: the chosen worker refused (or there was none): the queue group, where
@@ -288,12 +298,23 @@ class FleetSim:
             w = self.rng.choice(active)
         sid = r.session_id
         worker = self.workers[w]
-        self.sessions[sid] = (worker.worker_id, now + self.cfg.session_ttl_s)
+        num_prompt = r.prompt_tokens // self.bs
+        self.sessions[sid] = (worker.worker_id, now + self.cfg.session_ttl_s, num_prompt)
         if len(self.sessions) > 100_000:  # Router._accepted bounds its map the same way
             self.sessions = {k: v for k, v in self.sessions.items() if v[1] > now}
-        job = _Job(r, w, tenant, queued_at=now)
+        chain = self.trace.chains[r.session][:num_prompt]
+        if held is not None and self.mode == "cache_aware" and self.cfg.inflight_s > 0:
+            # Router._reserve: what the worker computes (past what it holds, computes already or loads)
+            self.inflight.sent(worker.worker_id, chain,
+                               max(held.get(worker.worker_id, 0), pool_blocks if self.cfg.pool_read else 0), now)
+        # What the engines count in their backlog at admission: the prompt less the blocks they expect to
+        # reuse (their own cache, or the pool's as far as the router's lookup said).
+        reused = worker.cache.longest_prefix(chain)
+        if self.cfg.pool_read:
+            reused = max(reused, pool_blocks)
+        job = _Job(r, w, tenant, queued_at=now, backlog_tokens=max(0, r.prompt_tokens - reused * self.bs))
         worker.queue.append(job)
-        worker.backlog_tokens += r.prompt_tokens
+        worker.backlog_tokens += job.backlog_tokens
         worker.requests_accepted += 1
         if len(worker.queue) > res.max_queue:
             res.max_queue = len(worker.queue)
@@ -303,19 +324,21 @@ class FleetSim:
             self._state(w)
         return 1
 
-    def _route(self, r: Request, now: float) -> str:
-        """kite_fingerprinter/router.py `Router._choose`, minus NATS and minus its blocks in flight
-        (`routing.InFlight`, not modelled here yet): the worker id, or "" for none."""
+    def _route(self, r: Request, now: float) -> tuple[str, int, dict[str, int] | None]:
+        """kite_fingerprinter/router.py `Router._choose`, minus NATS: the worker id ("" for none), the pool's
+        leading blocks (-1 when it was not asked) and the leading blocks each worker holds or is computing
+        as far as the router knows (None when it knows nothing: the pool was not asked)."""
         res = self.result
         candidates = self.candidates
         if not candidates:
-            return ""
-        session_worker = ""
+            return "", -1, None
+        session_worker, session_blocks, sticks = "", 0, False
         bound = self.sessions.get(r.session_id)
         if bound is not None and bound[1] > now and not self.workers[self.index_of[bound[0]]].standby:
-            session_worker = bound[0]
+            session_worker, session_blocks = bound[0], bound[2]
+            sticks = session_sticks(self.states[self.index_of[session_worker]])
         local_blocks, pool_blocks = None, -1
-        lookup = self.mode == "cache_aware" and not session_worker and len(candidates) > 1
+        lookup = self.mode == "cache_aware" and not sticks and len(candidates) > 1
         if lookup:  # the request's block_hashes, a list the router already has
             chain = self.trace.chains[r.session][:r.prompt_tokens // self.bs]
         cpu_started = time.thread_time()  # CPU time too: wall time on a shared machine includes waits
@@ -329,9 +352,13 @@ class FleetSim:
         else:
             looked = started
         self.rr += 1
+        inflight, computing = {}, {}
+        if local_blocks is not None and len(self.inflight):
+            inflight, computing = self.inflight.leading(chain, local_blocks, now)
         choice = choose(candidates, RouteRequest(prompt_tokens=r.prompt_tokens, block_size=self.bs,
-                                                 session_worker=session_worker, local_blocks=local_blocks,
-                                                 pool_blocks=max(0, pool_blocks)),
+                                                 session_worker=session_worker, session_blocks=session_blocks,
+                                                 local_blocks=local_blocks, pool_blocks=max(0, pool_blocks),
+                                                 inflight_blocks=inflight, computing_blocks=computing),
                         self.knobs, self.mode, rr_counter=self.rr)
         done = time.perf_counter()
         cpu = time.thread_time() - cpu_started
@@ -341,10 +368,17 @@ class FleetSim:
         if local_blocks is not None:  # a full cache-aware decision: lookup of every worker + cost
             res.full_route_s.append(done - started)
             res.full_route_cpu_s.append(cpu)
+        held = None
+        if local_blocks is not None:
+            held = {w: max(local_blocks.get(w, 0), inflight.get(w, 0)) for w in {*local_blocks, *inflight}}
+            if session_worker:
+                held[session_worker] = max(held.get(session_worker, 0), session_blocks)
+        elif sticks:
+            held = {session_worker: session_blocks}
         if choice is None:
-            return ""
+            return "", pool_blocks, held
         res.reasons[choice.reason] += 1
-        return choice.worker_id
+        return choice.worker_id, pool_blocks, held
 
     @property
     def candidates(self) -> Candidates:
@@ -357,7 +391,9 @@ class FleetSim:
         self.states[w] = WorkerState(
             worker.worker_id, num_running=(worker.prefilling is not None) + worker.num_decoding,
             queue_depth=len(worker.queue), running_tokens=worker.running_tokens,
-            backlog_tokens=worker.backlog_tokens, reads_pool=self.cfg.pool_read)
+            backlog_tokens=worker.backlog_tokens, reads_pool=self.cfg.pool_read,
+            requests_accepted=worker.requests_accepted,
+            prefill_s_per_token=self.prefill_s_per_token)
         if not worker.standby:
             self.view.put(self.states[w])
 
@@ -368,7 +404,6 @@ class FleetSim:
         worker = self.workers[w]
         job = worker.queue.popleft()
         r = job.request
-        worker.backlog_tokens -= r.prompt_tokens
         bs = self.bs
         num_prompt = r.prompt_tokens // bs
         chain = self.trace.chains[r.session]
@@ -427,6 +462,7 @@ class FleetSim:
         r = job.request
         res = self.result
         res.ttft_s.append(now - r.arrival_s)
+        worker.backlog_tokens -= job.backlog_tokens
         chain = self.trace.chains[r.session]
         num_prompt = r.prompt_tokens // self.bs
         # loaded and computed blocks enter the local cache; computed ones go to the pool
@@ -578,8 +614,8 @@ class FleetSim:
                     self.shed_since = None
                 self.admit = d.admit
             elif d.action == "routing" and d.weights is not None:
-                self.knobs = RoutingKnobs(affinity_weight=d.weights.affinity, load_weight=d.weights.load,
-                                          pool_hit_weight=self.knobs.pool_hit_weight)
+                self.knobs = dataclasses.replace(self.knobs, affinity_weight=d.weights.affinity,
+                                                 load_weight=d.weights.load)
             elif d.action == "write_policy" and d.write_policy:
                 for w in (self.workers if d.target == "*" else
                           [self.workers[self.index_of[d.target]]] if d.target in self.index_of else []):

@@ -10,10 +10,14 @@
   as overloaded or draining: the request goes to the queue group (`kite.v1.worker.generate`) instead.
 - Arbitrator `routing` decisions set the weights (affinity vs load) and may switch the mode
   (cache_aware, least_loaded, round_robin, queue_group); "" returns to KITE_ROUTER_MODE.
+- Sessions: a session's turn goes to the worker that served its previous turn while nothing is queued
+  there; otherwise the pool is asked and the bound worker, credited with the previous turn's blocks, is
+  costed against the others (`routing.session_sticks`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import time
@@ -28,7 +32,8 @@ from kite_shared.config import FingerprinterConfig
 from kite_shared.endpoints import Endpoint
 from kite_shared.messages import (ROUTING_MODES, Admission, Decision, ErrorInfo, Heartbeat, MessageError,
                                   TokenizedRequest, WorkerTelemetry)
-from kite_shared.routing import Candidates, InFlight, RouteRequest, RoutingKnobs, WorkerState, choose
+from kite_shared.routing import (Candidates, InFlight, RouteRequest, RoutingKnobs, WorkerState, choose,
+                                 session_sticks)
 from kite_shared.tiers.pool_client import PoolClient
 from kite_shared.window import TimeWindow
 
@@ -65,9 +70,13 @@ class LiveWorkers:
     state (issue 38: 4.9 ms at 1,000 workers). `now` is expected not to go back; when it does, the set is
     rebuilt from every worker's record, so the answer is the same either way."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, prefill_s_per_token: float = 1 / 425) -> None:
         self.timeout_s = timeout_s
+        self.fallback_prefill_s_per_token = prefill_s_per_token  # a worker's until it reports its own
         self._workers: dict[str, _Worker] = {}
+        # workers that reported a prefill speed, and the sum of their seconds per token (the fleet's mean)
+        self._num_speeds = 0
+        self._sum_s_per_token = 0.0
         self._candidates = Candidates()
         self._by_seen: list[tuple[float, str]] = []  # (seen, worker): entries older than its seen are stale
         self._now = float("-inf")  # the latest `now` a view was asked for
@@ -81,6 +90,8 @@ class LiveWorkers:
 
     def telemetry(self, t: WorkerTelemetry, now: float) -> None:
         w = self._workers.setdefault(t.instance_id, _Worker(t.instance_id, now))
+        self._count_speed(w.telemetry, -1)
+        self._count_speed(t, 1)
         w.seen, w.telemetry, w.draining = now, t, t.draining
         w.num_running, w.num_queued = t.num_running, t.queue_depth
         # In this snapshot: the requests it names as admitted since its previous one (a lost message leaves
@@ -106,8 +117,21 @@ class LiveWorkers:
             self._changed(w)
 
     def forget(self, worker_id: str) -> None:
-        self._workers.pop(worker_id, None)
+        w = self._workers.pop(worker_id, None)
+        if w is not None:
+            self._count_speed(w.telemetry, -1)
         self._candidates.remove(worker_id)
+
+    def mean_prefill_s_per_token(self) -> float:
+        """The known workers' mean measured seconds per prompt token (the fallback while none reported)."""
+        if self._num_speeds <= 0:
+            return self.fallback_prefill_s_per_token
+        return self._sum_s_per_token / self._num_speeds
+
+    def _count_speed(self, t: WorkerTelemetry | None, sign: int) -> None:
+        if t is not None and t.prefill_tokens_per_s > 0:
+            self._num_speeds += sign
+            self._sum_s_per_token += sign / t.prefill_tokens_per_s
 
     def view(self, now: float) -> Candidates:
         """The candidates at `now`, kept current (callers must not change it)."""
@@ -152,12 +176,23 @@ class LiveWorkers:
             worker_id=w.worker_id, num_running=w.num_running, queue_depth=w.num_queued,
             running_tokens=t.running_tokens, backlog_tokens=t.prefill_backlog_tokens,
             pending_tokens=sum(p.tokens for p in w.pending.values()), pending_requests=len(w.pending),
-            reads_pool=t.pool_read)
+            reads_pool=t.pool_read, requests_accepted=t.requests_accepted + len(w.pending),
+            prefill_s_per_token=(1 / t.prefill_tokens_per_s if t.prefill_tokens_per_s > 0
+                                 else self.fallback_prefill_s_per_token))
 
     def _rebuild(self, now: float) -> None:
         self._candidates = Candidates([s for w in self._workers.values() if (s := self._state(w, now)) is not None])
         self._by_seen = [(w.seen, w.worker_id) for w in self._workers.values()]
         heapq.heapify(self._by_seen)
+
+
+@dataclass(frozen=True)
+class _Session:
+    """Where a session's previous turn went (`kite.session_id`)."""
+
+    worker_id: str
+    expires: float  # monotonic
+    num_blocks: int  # the previous turn's prompt blocks: the next turn's leading blocks, held there
 
 
 @dataclass(frozen=True)
@@ -178,11 +213,12 @@ class Router:
         self.cfg = cfg
         self.worker_timeout_s = worker_timeout_s  # admission wait (KITE_ADMIT_TIMEOUT_S)
         self.pool = pool or PoolClient(nc)
-        self.live = LiveWorkers(cfg.router_worker_timeout_s)
+        self.live = LiveWorkers(cfg.router_worker_timeout_s, cfg.router_prefill_s_per_token)
         self.knobs = RoutingKnobs(affinity_weight=cfg.router_affinity_weight, load_weight=cfg.router_load_weight,
-                                  pool_hit_weight=cfg.router_pool_hit_weight)
+                                  prefill_s_per_token=cfg.router_prefill_s_per_token,
+                                  pool_load_s_per_token=cfg.router_pool_load_s_per_token)
         self.mode_override = ""
-        self._sessions: dict[str, tuple[str, float]] = {}  # session id -> (worker, expires monotonic)
+        self._sessions: dict[str, _Session] = {}
         self.inflight = InFlight(cfg.router_inflight_s)  # blocks sent to workers to compute, not yet indexed
         self._rr = 0
         # Cache-aware decisions over the telemetry window: prompt blocks, and those the chosen worker
@@ -217,8 +253,7 @@ class Router:
         if d.action != "routing":
             return
         if d.weights is not None:
-            knobs = RoutingKnobs(affinity_weight=d.weights.affinity, load_weight=d.weights.load,
-                                 pool_hit_weight=self.knobs.pool_hit_weight)
+            knobs = dataclasses.replace(self.knobs, affinity_weight=d.weights.affinity, load_weight=d.weights.load)
             if knobs != self.knobs:
                 log.info("routing weights affinity=%g load=%g (decision %s: %s)", knobs.affinity_weight,
                          knobs.load_weight, d.decision_id, d.reason)
@@ -249,7 +284,7 @@ class Router:
             elif admission.accepted or (admission.error and admission.error.code not in _REFUSALS_TO_RETRY):
                 ROUTED.labels(reason).inc()
                 if admission.accepted:
-                    self._bind_session(session_id, admission.worker_id or worker_id, now)
+                    self._bind_session(session_id, admission.worker_id or worker_id, request, now)
                 else:
                     self.live.refused(worker_id, request.request_id)
                 return admission
@@ -261,7 +296,7 @@ class Router:
             return Admission(accepted=False, error=ErrorInfo(code="no_worker", message="No worker is available"))
         if admission.accepted:
             self._reserve(admission.worker_id, request, route, time.monotonic())  # any reservation above was refused
-            self._bind_session(session_id, admission.worker_id, now)
+            self._bind_session(session_id, admission.worker_id, request, now)
         return admission
 
     async def _choose(self, request: TokenizedRequest, session_id: str, now: float) -> _Route:
@@ -270,13 +305,14 @@ class Router:
         candidates = self.live.view(now)
         if not candidates:
             return _Route("", "queue_group")
-        session_worker = ""
+        session_worker, session_blocks, sticks = "", 0, False
         if session_id:
             bound = self._sessions.get(session_id)
-            if bound is not None and bound[1] > now and bound[0] in candidates:
-                session_worker = bound[0]
+            state = candidates.get(bound.worker_id) if bound is not None and bound.expires > now else None
+            if state is not None:
+                session_worker, session_blocks, sticks = bound.worker_id, bound.num_blocks, session_sticks(state)
         local_blocks, pool_blocks = None, -1  # -1: the pool was not asked
-        if self.mode == "cache_aware" and not session_worker and len(candidates) > 1:
+        if self.mode == "cache_aware" and not sticks and len(candidates) > 1:
             if not request.block_hashes or not request.reuse:
                 local_blocks = {}
             else:
@@ -291,13 +327,22 @@ class Router:
         if local_blocks is not None and request.block_hashes and len(self.inflight):
             inflight, computing = self.inflight.leading(request.block_hashes, local_blocks, now)
         self._rr += 1
+        knobs = self.knobs
+        if knobs.prefill_s_per_token != (fleet_s := self.live.mean_prefill_s_per_token()):
+            knobs = self.knobs = dataclasses.replace(knobs, prefill_s_per_token=fleet_s)
         choice = choose(candidates, RouteRequest(prompt_tokens=len(request.prompt_token_ids),
                                                  block_size=request.block_size, session_worker=session_worker,
-                                                 local_blocks=local_blocks, pool_blocks=max(0, pool_blocks),
-                                                 inflight_blocks=inflight, computing_blocks=computing),
-                        self.knobs, self.mode, rr_counter=self._rr)
-        held = None if local_blocks is None else {w: max(local_blocks.get(w, 0), inflight.get(w, 0))
-                                                  for w in {*local_blocks, *inflight}}
+                                                 session_blocks=session_blocks, local_blocks=local_blocks,
+                                                 pool_blocks=max(0, pool_blocks), inflight_blocks=inflight,
+                                                 computing_blocks=computing),
+                        knobs, self.mode, rr_counter=self._rr)
+        held = None
+        if local_blocks is not None:
+            held = {w: max(local_blocks.get(w, 0), inflight.get(w, 0)) for w in {*local_blocks, *inflight}}
+            if session_worker:
+                held[session_worker] = max(held.get(session_worker, 0), session_blocks)
+        elif sticks:
+            held = {session_worker: session_blocks}  # not looked up: what the router knows it holds
         if choice is None:
             return _Route("", "queue_group", pool_blocks, held, computing)
         log.debug("route %s -> %s (%s) costs=%s", request.request_id, choice.worker_id, choice.reason, choice.costs)
@@ -312,9 +357,9 @@ class Router:
 
     def _reserve(self, worker_id: str, request: TokenizedRequest, route: _Route, now: float) -> None:
         """`worker_id` gets `request`. What it will compute (past the blocks it holds, is computing already
-        for others, or loads) is in flight there. Its pending load is its prompt (the KV positions it will
-        hold, as `running_tokens` counts them once telemetry reports it) less the blocks another request
-        sent there is computing: those are that request's load already."""
+        for others, or loads) is in flight there, and is its pending load until the worker's telemetry
+        names the request: the prompt tokens it adds to the worker's prefill queue, as the telemetry's
+        `prefill_backlog_tokens` counts them from then on."""
         first = 0
         if request.block_hashes and request.reuse:
             if route.held is not None:  # else the pool did not answer: all of it, as far as the router knows
@@ -323,14 +368,16 @@ class Router:
                             route.pool_blocks if state is None or state.reads_pool else 0)
             if self.inflight.ttl_s > 0 and self.mode == "cache_aware":
                 self.inflight.sent(worker_id, request.block_hashes, first, now)
-        shared = route.computing.get(worker_id, 0) * request.block_size
-        self.live.sent(worker_id, request.request_id, max(0, len(request.prompt_token_ids) - shared), time.time())
+        shared = route.computing.get(worker_id, 0)
+        skipped = max(first, shared) * request.block_size
+        self.live.sent(worker_id, request.request_id, max(0, len(request.prompt_token_ids) - skipped), time.time())
 
-    def _bind_session(self, session_id: str, worker_id: str, now: float) -> None:
+    def _bind_session(self, session_id: str, worker_id: str, request: TokenizedRequest, now: float) -> None:
         if session_id:
-            self._sessions[session_id] = (worker_id, now + self.cfg.router_session_ttl_s)
+            self._sessions[session_id] = _Session(worker_id, now + self.cfg.router_session_ttl_s,
+                                                  len(request.block_hashes))
             if len(self._sessions) > 100_000:  # bound memory: drop expired bindings
-                self._sessions = {k: v for k, v in self._sessions.items() if v[1] > now}
+                self._sessions = {k: v for k, v in self._sessions.items() if v.expires > now}
 
     async def _ask(self, subject: str, request: TokenizedRequest, headers: dict | None) -> Admission | None:
         """The worker's admission; None when nobody listens on `subject`."""
