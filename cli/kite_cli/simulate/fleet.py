@@ -195,7 +195,7 @@ class FleetSim:
         # worker on a change, standby workers out
         self.view = Candidates(self.states)
         self.num_standby = 0
-        # session id -> (worker, expires, the previous turn's prompt blocks): kite_fingerprinter/router.py's
+        # session id -> (worker, expires, the previous turn's prompt blocks), as kite_fingerprinter/router.py binds them
         self.sessions: dict[str, tuple[str, float, int]] = {}
         self.inflight = InFlight(cfg.inflight_s)  # blocks sent to workers to compute, as the router keeps them
         self.rr = 0

@@ -33,8 +33,8 @@ from kite_shared.config import FingerprinterConfig
 from kite_shared.endpoints import Endpoint
 from kite_shared.messages import (ROUTING_MODES, Admission, Decision, ErrorInfo, Heartbeat, MessageError,
                                   TokenizedRequest, WorkerTelemetry)
-from kite_shared.routing import (Candidates, InFlight, RouteRequest, RoutingKnobs, WorkerState, choose,
-                                 session_sticks)
+from kite_shared.routing import (DEFAULT_PREFILL_S_PER_TOKEN, Candidates, InFlight, RouteRequest, RoutingKnobs,
+                                 WorkerState, choose, session_sticks)
 from kite_shared.tiers.pool_client import PoolClient
 from kite_shared.window import TimeWindow
 
@@ -71,7 +71,7 @@ class LiveWorkers:
     state (issue 38: 4.9 ms at 1,000 workers). `now` is expected not to go back; when it does, the set is
     rebuilt from every worker's record, so the answer is the same either way."""
 
-    def __init__(self, timeout_s: float, prefill_s_per_token: float = 1 / 425) -> None:
+    def __init__(self, timeout_s: float, prefill_s_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN) -> None:
         self.timeout_s = timeout_s
         self.fallback_prefill_s_per_token = prefill_s_per_token  # a worker's until it reports its own
         self._workers: dict[str, _Worker] = {}
