@@ -191,6 +191,21 @@ def cost(w: WorkerState, req: RouteRequest, knobs: RoutingKnobs, extra_queue_us:
     return knobs.affinity_weight * prefill_s + knobs.load_weight * queue_s
 
 
+def known_held(local_blocks: Mapping[str, int] | None, inflight_blocks: Mapping[str, int],
+               session_worker: str = "", session_blocks: int = 0, session_sticks: bool = False
+               ) -> dict[str, int] | None:
+    """The leading prompt blocks each worker holds or is computing as far as the router knows: the pool's
+    answer (`local_blocks`) with the blocks in flight, the session's worker credited with its previous
+    turn's; with no pool answer, only the session's worker when the turn went there without one
+    (`session_sticks`), else None (nothing known). What the router's reservation counts as not to compute."""
+    if local_blocks is None:
+        return {session_worker: session_blocks} if session_sticks else None
+    held = {w: max(local_blocks.get(w, 0), inflight_blocks.get(w, 0)) for w in {*local_blocks, *inflight_blocks}}
+    if session_worker:
+        held[session_worker] = max(held.get(session_worker, 0), session_blocks)
+    return held
+
+
 class Candidates:
     """The candidate workers' states, updated one worker at a time (`put`, `remove`), indexed for
     `choose`: ids in order (round robin), a count of workers per request count (the balance guard's

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Callable
 
 import nats
 
@@ -22,14 +23,16 @@ def tokenized(request_id: str) -> TokenizedRequest:
         block_hashes=[bytes([i]) * 32 for i in range(2)], stream_subject="s", created_at=time.time())
 
 
-async def test_the_pools_holding_seen_while_routing_travels_to_the_worker(nats_server):
-    nc = await nats.connect(nats_server.url)
-    received: dict[str, list[TokenizedRequest]] = {"w1": [], "w2": []}
-    lookups = []
+async def play_fleet(nc, worker_ids: list[str], pool_reply: Callable[[], PoolLookupReply]
+                     ) -> tuple[dict[str, list[TokenizedRequest]], list[bytes]]:
+    """Workers that admit what they get and the ru-pool's lookup (answering `pool_reply()`), played by
+    subscribers on their real subjects: what each worker received, and each lookup asked."""
+    received: dict[str, list[TokenizedRequest]] = {w: [] for w in worker_ids}
+    lookups: list[bytes] = []
 
     async def pool_lookup(msg):
         lookups.append(msg.data)
-        await msg.respond(PoolLookupReply(pool=2, workers={"w1": 1}).encode())
+        await msg.respond(pool_reply().encode())
 
     def worker(worker_id: str):
         async def on_generate(msg):
@@ -38,8 +41,14 @@ async def test_the_pools_holding_seen_while_routing_travels_to_the_worker(nats_s
         return on_generate
 
     await nc.subscribe(subjects.POOL_LOOKUP, cb=pool_lookup)
-    for worker_id in received:
+    for worker_id in worker_ids:
         await nc.subscribe(subjects.worker_generate(worker_id), cb=worker(worker_id))
+    return received, lookups
+
+
+async def test_the_pools_holding_seen_while_routing_travels_to_the_worker(nats_server):
+    nc = await nats.connect(nats_server.url)
+    received, lookups = await play_fleet(nc, ["w1", "w2"], lambda: PoolLookupReply(pool=2, workers={"w1": 1}))
     router = Router(nc, load(FingerprinterConfig, router_mode="cache_aware"), worker_timeout_s=2.0)
     try:
         for worker_id in received:
@@ -123,24 +132,12 @@ async def test_a_sessions_turn_stays_with_its_worker_until_waiting_there_costs_m
     held there, the pool's index not told yet) and moves when the history loads from the pool elsewhere
     sooner than that worker's queue drains."""
     nc = await nats.connect(nats_server.url)
-    received: dict[str, list[str]] = {"w1": [], "w2": []}
-    lookups = []
     pool_holds = {"blocks": 0}
-
-    async def pool_lookup(msg):
-        lookups.append(msg.data)
-        await msg.respond(PoolLookupReply(pool=pool_holds["blocks"], workers={}).encode())
-
-    def worker(worker_id: str):
-        async def on_generate(msg):
-            received[worker_id].append(TokenizedRequest.decode(msg.data).request_id)
-            await msg.respond(Admission(accepted=True, worker_id=worker_id).encode())
-        return on_generate
-
-    await nc.subscribe(subjects.POOL_LOOKUP, cb=pool_lookup)
-    for worker_id in received:
-        await nc.subscribe(subjects.worker_generate(worker_id), cb=worker(worker_id))
+    received, lookups = await play_fleet(nc, ["w1", "w2"], lambda: PoolLookupReply(pool=pool_holds["blocks"]))
     router = Router(nc, load(FingerprinterConfig, router_mode="cache_aware"), worker_timeout_s=2.0)
+
+    def ids(worker_id: str) -> list[str]:
+        return [r.request_id for r in received[worker_id]]
 
     def report(worker_id: str, backlog: int, admitted: list[str]) -> None:
         router.live.telemetry(WorkerTelemetry(instance_id=worker_id, max_running=8, prefill_tokens_per_s=425.0,
@@ -151,25 +148,25 @@ async def test_a_sessions_turn_stays_with_its_worker_until_waiting_there_costs_m
         report("w1", 0, [])
         report("w2", 0, [])
         assert (await router.dispatch(tokenized("turn-1"), session_id="s")).accepted
-        bound = "w1" if received["w1"] else "w2"
+        bound = "w1" if ids("w1") else "w2"
         other = "w2" if bound == "w1" else "w1"
         assert len(lookups) == 1
         report(bound, 0, ["turn-1"])
 
         await router.dispatch(tokenized("turn-2"), session_id="s")  # nothing queued there: no lookup
-        assert received[bound] == ["turn-1", "turn-2"] and len(lookups) == 1
+        assert ids(bound) == ["turn-1", "turn-2"] and len(lookups) == 1
 
         report(bound, 8, ["turn-2"])  # 8 tokens ahead, the pool holds nothing: stays
         await router.dispatch(tokenized("turn-3"), session_id="s")
-        assert received[bound] == ["turn-1", "turn-2", "turn-3"] and len(lookups) == 2
+        assert ids(bound) == ["turn-1", "turn-2", "turn-3"] and len(lookups) == 2
 
         report(bound, 4000, ["turn-3"])  # ~9 s ahead; the pool holds the 2 blocks: moves
         pool_holds["blocks"] = 2
         await router.dispatch(tokenized("turn-4"), session_id="s")
-        assert received[other] == ["turn-4"] and len(lookups) == 3
+        assert ids(other) == ["turn-4"] and len(lookups) == 3
 
         report(other, 0, ["turn-4"])  # bound there now
         await router.dispatch(tokenized("turn-5"), session_id="s")
-        assert received[other] == ["turn-4", "turn-5"] and len(lookups) == 3
+        assert ids(other) == ["turn-4", "turn-5"] and len(lookups) == 3
     finally:
         await nc.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kite_shared.routing import (InFlight, RouteRequest, RoutingKnobs, WorkerState, choose, cost, imbalanced,
-                                 session_sticks)
+                                 known_held, session_sticks)
 
 W = WorkerState
 BS = 16
@@ -206,3 +206,11 @@ def test_a_fresh_prefix_sent_at_once_goes_to_the_worker_computing_it():
 def test_imbalance_needs_both_thresholds():
     assert imbalanced([W("a", queue_depth=33), W("b")], RoutingKnobs())
     assert not imbalanced([W("a", queue_depth=32), W("b")], RoutingKnobs())
+
+
+def test_what_the_router_knows_each_worker_holds():
+    assert known_held(None, {}) is None  # no pool answer, no session: nothing known
+    assert known_held(None, {}, "a", 7, session_sticks=True) == {"a": 7}
+    assert known_held(None, {}, "a", 7, session_sticks=False) is None  # costed, but the pool did not answer
+    assert known_held({"a": 2, "b": 5}, {"b": 3, "c": 4}, "a", 7) == {"a": 7, "b": 5, "c": 4}
+    assert known_held({"a": 9}, {}, "a", 7) == {"a": 9}

@@ -38,7 +38,7 @@ from kite_ru_pool.core import PoolCore
 from kite_ru_pool.index import HOT, WARM
 from kite_shared.messages import WorkerTelemetry
 from kite_shared.routing import (Candidates, InFlight, RouteRequest, RoutingKnobs, WorkerState, choose,
-                                 session_sticks)
+                                 known_held, session_sticks)
 from kite_shared.tiers.keys import BlockKey, model_tag
 from kite_worker.engines.reference.block_cache import BlockCache
 from kite_worker.pool_loader import CostModel, TierEstimate
@@ -368,13 +368,7 @@ class FleetSim:
         if local_blocks is not None:  # a full cache-aware decision: lookup of every worker + cost
             res.full_route_s.append(done - started)
             res.full_route_cpu_s.append(cpu)
-        held = None
-        if local_blocks is not None:
-            held = {w: max(local_blocks.get(w, 0), inflight.get(w, 0)) for w in {*local_blocks, *inflight}}
-            if session_worker:
-                held[session_worker] = max(held.get(session_worker, 0), session_blocks)
-        elif sticks:
-            held = {session_worker: session_blocks}
+        held = known_held(local_blocks, inflight, session_worker, session_blocks, sticks)
         if choice is None:
             return "", pool_blocks, held
         res.reasons[choice.reason] += 1

@@ -34,7 +34,7 @@ from kite_shared.endpoints import Endpoint
 from kite_shared.messages import (ROUTING_MODES, Admission, Decision, ErrorInfo, Heartbeat, MessageError,
                                   TokenizedRequest, WorkerTelemetry)
 from kite_shared.routing import (DEFAULT_PREFILL_S_PER_TOKEN, Candidates, InFlight, RouteRequest, RoutingKnobs,
-                                 WorkerState, choose, session_sticks)
+                                 WorkerState, choose, known_held, session_sticks)
 from kite_shared.tiers.pool_client import PoolClient
 from kite_shared.window import TimeWindow
 
@@ -338,13 +338,7 @@ class Router:
                                                  pool_blocks=max(0, pool_blocks), inflight_blocks=inflight,
                                                  computing_blocks=computing),
                         knobs, self.mode, rr_counter=self._rr)
-        held = None
-        if local_blocks is not None:
-            held = {w: max(local_blocks.get(w, 0), inflight.get(w, 0)) for w in {*local_blocks, *inflight}}
-            if session_worker:
-                held[session_worker] = max(held.get(session_worker, 0), session_blocks)
-        elif sticks:
-            held = {session_worker: session_blocks}  # not looked up: what the router knows it holds
+        held = known_held(local_blocks, inflight, session_worker, session_blocks, sticks)
         if choice is None:
             return _Route("", "queue_group", pool_blocks, held, computing)
         log.debug("route %s -> %s (%s) costs=%s", request.request_id, choice.worker_id, choice.reason, choice.costs)
