@@ -210,9 +210,9 @@ class Candidates:
     """The candidate workers' states, updated one worker at a time (`put`, `remove`), indexed for
     `choose`: ids in order (round robin), a count of workers per request count (the balance guard's
     minimum and maximum), a heap by (requests, tokens, id) (least loaded) and, per kind (reads the pool
-    or not), a heap by (queue microseconds, requests, accepted, id) (the non-holders with the least work ahead). Heap entries are left in
-    place when a worker changes and skipped when read (their key no longer the worker's); a heap is
-    rebuilt when stale entries outnumber live ones. Pure; not thread-safe."""
+    or not), a heap by (queue microseconds, requests, accepted, id) (the non-holders with the least work
+    ahead). Heap entries are left in place when a worker changes and skipped when read (their key no
+    longer the worker's); a heap is rebuilt when stale entries outnumber live ones. Pure; not thread-safe."""
 
     def __init__(self, states: Sequence[WorkerState] = ()) -> None:
         self._states: dict[str, WorkerState] = {}
