@@ -338,24 +338,30 @@ class Candidates:
 class InFlight:
     """Blocks a router sent workers to compute, each until `ttl_s` after it was sent: by then the worker
     has stored it (its KV events make the pool's index name it a holder) or the router stops counting on
-    it. `leading` is what `RouteRequest.inflight_blocks` and `computing_blocks` want. Pure (the caller passes the clock); a
-    decision costs a dict lookup per prompt block; entries leave in expiry order (a heap), so sweeping
-    costs what expires."""
+    it. `leading` is what `RouteRequest.inflight_blocks` and `computing_blocks` want. Pure (the caller
+    passes the clock); a decision costs a dict lookup per prompt block; each `sent` leaves in expiry order
+    (a heap with one entry per call, not per block), so sweeping costs what expires."""
 
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
         self._by_hash: dict[bytes, dict[str, float]] = {}  # block hash -> {worker id: expires}
-        self._expiries: list[tuple[float, bytes, str]] = []
+        self._expiries: list[tuple[float, int, str, list[bytes]]] = []  # (expires, call number, worker, blocks)
+        self._num_sent = 0
 
     def __len__(self) -> int:
         return len(self._by_hash)
 
     def sent(self, worker_id: str, block_hashes: Sequence[bytes], first: int, now: float) -> None:
         """`worker_id` computes `block_hashes[first:]` (those before `first` it holds or loads)."""
+        blocks = list(block_hashes[first:])
+        if not blocks:
+            return
         expires = now + self.ttl_s
-        for h in block_hashes[first:]:
-            self._by_hash.setdefault(h, {})[worker_id] = expires
-            heapq.heappush(self._expiries, (expires, h, worker_id))
+        by_hash = self._by_hash
+        for h in blocks:
+            by_hash.setdefault(h, {})[worker_id] = expires
+        self._num_sent += 1
+        heapq.heappush(self._expiries, (expires, self._num_sent, worker_id, blocks))
 
     def leading(self, block_hashes: Sequence[bytes], local: Mapping[str, int],
                 now: float) -> tuple[dict[str, int], dict[str, int]]:
@@ -386,14 +392,15 @@ class InFlight:
                 del self._by_hash[h]
 
     def _expire(self, now: float) -> None:
-        heap = self._expiries
+        heap, by_hash = self._expiries, self._by_hash
         while heap and heap[0][0] <= now:
-            expires, h, worker_id = heapq.heappop(heap)
-            held = self._by_hash.get(h)
-            if held is not None and held.get(worker_id) == expires:  # not sent again since
-                del held[worker_id]
-                if not held:
-                    del self._by_hash[h]
+            expires, _, worker_id, blocks = heapq.heappop(heap)
+            for h in blocks:
+                held = by_hash.get(h)
+                if held is not None and held.get(worker_id) == expires:  # not sent again since
+                    del held[worker_id]
+                    if not held:
+                        del by_hash[h]
 
 
 def choose(workers: Sequence[WorkerState] | Candidates, req: RouteRequest, knobs: RoutingKnobs = RoutingKnobs(),
