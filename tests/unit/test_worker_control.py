@@ -138,15 +138,13 @@ async def test_telemetry_goes_out_at_start_on_a_change_and_when_asked_not_otherw
 
 async def test_the_arbitrator_gets_a_message_each_interval_however_often_the_load_changes():
     control, worker, bus = make(interval_s=0.3)
-    for _ in range(2):  # a busy worker whose queue moves at every poll, over two intervals
+    started = time.monotonic()
+    while time.monotonic() - started < 1.0:  # a busy worker whose queue moves every poll
         worker.queued += 1
-        await asyncio.wait_for(control.publish_when_due(), 1)  # the interval's message
-        worker.queued += 1
-        await asyncio.wait_for(control.publish_when_due(), 1)  # a load change within it
-        await asyncio.sleep(0.35)
-    interval, load = subjects.telemetry("worker"), subjects.WORKER_LOAD
-    assert bus.subjects == [interval, load, interval, load]
-    assert [t.queue_depth for t in bus.sent] == [1, 2, 3, 4]  # routers see every change
+        await asyncio.wait_for(control.publish_when_due(), 1)
+    to_everyone = bus.subjects.count(subjects.telemetry("worker"))
+    assert len(bus.sent) >= 8 and 3 <= to_everyone <= 5  # the first, then one each 0.3 s
+    assert bus.subjects.count(subjects.WORKER_LOAD) == len(bus.sent) - to_everyone
 
 
 async def test_an_idle_worker_is_not_polled_between_intervals():
