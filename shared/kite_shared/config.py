@@ -196,8 +196,7 @@ class _MetricsPort:
 class _TelemetryInterval:
     telemetry_interval_s: float = env(
         "KITE_TELEMETRY_INTERVAL_S", "1.0", "Seconds between telemetry messages (kite.v1.telemetry.<service>); "
-        "workers also publish at once on a significant change (queue depth, running requests: to the routers "
-        "only, on kite.v1.load.worker; standby, decisions: to everyone).", minimum=0.05)
+        "workers also publish at once on a significant change (queue depth, standby).", minimum=0.05)
 
 
 @dataclass(frozen=True)

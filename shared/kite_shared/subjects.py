@@ -46,10 +46,6 @@ WORKER_CANCEL = f"{PREFIX}.worker.cancel"
 POOL_PUT = f"{PREFIX}.pool.put"
 RU_POOL_QUEUE = "ru-pool"
 
-# A worker's telemetry sent between two of its interval messages, on a load change routers act on; outside
-# `telemetry.>` so that the arbitrator, which evaluates on intervals, does not receive each one.
-WORKER_LOAD = f"{PREFIX}.load.worker"
-
 HEARTBEAT_WILDCARD = f"{PREFIX}.heartbeat.>"
 TELEMETRY_WILDCARD = f"{PREFIX}.telemetry.>"
 DECISIONS = f"{PREFIX}.arbitrator.decisions"
@@ -186,7 +182,7 @@ _TELEMETRY = {  # service -> its telemetry message, who listens and when it is s
     "gateway": (GatewayTelemetry, "gateway -> arbitrator, every KITE_TELEMETRY_INTERVAL_S"),
     "fingerprinter": (FingerprinterTelemetry, "fingerprinter -> arbitrator, every KITE_TELEMETRY_INTERVAL_S"),
     "worker": (WorkerTelemetry, "worker -> arbitrator and fingerprinters (routing), every "
-                                "KITE_TELEMETRY_INTERVAL_S and at once on a decision, an activation or the drain"),
+                                "KITE_TELEMETRY_INTERVAL_S and at once on a significant change"),
     "ru-pool": (PoolTelemetry, "ru-pool -> arbitrator, every KITE_TELEMETRY_INTERVAL_S"),
     "arbitrator": (ArbitratorTelemetry, "arbitrator -> anyone watching (not an input to decisions), every "
                                         "KITE_TELEMETRY_INTERVAL_S"),
@@ -245,9 +241,6 @@ TABLE: tuple[SubjectSpec, ...] = (
                 route="anyone -> one replica of the service (ping): a health probe"),
     *(SubjectSpec(telemetry(service), message, None, route=route) for service, (message, route) in _TELEMETRY.items()),
     SubjectSpec(TELEMETRY_WILDCARD, TELEMETRY, None, route="every service's telemetry at once (arbitrator)"),
-    SubjectSpec(WORKER_LOAD, WorkerTelemetry, None,
-                route="worker -> fingerprinters (routing): its telemetry at once on a load change (an admission, "
-                      "a queue or running count that moved, a stream's end) between its interval messages"),
     SubjectSpec(DECISIONS, Decision, None,
                 route="arbitrator -> everyone: a decision on every change and a periodic refresh, applied by "
                       "the service(s) it names"),

@@ -1,7 +1,6 @@
 """The fingerprinter's router: which worker gets a tokenized request (policy: kite_shared.routing).
 
-- Live workers come from worker heartbeats and telemetry (kite.v1.telemetry.worker, and the load changes
-  between its interval messages on kite.v1.load.worker). A worker silent for
+- Live workers come from worker heartbeats and telemetry (kite.v1.telemetry.worker). A worker silent for
   KITE_ROUTER_WORKER_TIMEOUT_S (5 s) leaves the routing set; its next message brings it back. Draining and
   standby workers are not candidates; only workers that sent telemetry are (a worker publishes it at
   once on start, so a worker of an older build without telemetry still gets work through the queue group).
@@ -235,7 +234,6 @@ class Router:
         """What the router listens to: the workers' liveness and load, the arbitrator's decisions."""
         return [Endpoint(subjects.heartbeat("worker"), self.on_heartbeat),
                 Endpoint(subjects.telemetry("worker"), self.on_telemetry),
-                Endpoint(subjects.WORKER_LOAD, self.on_telemetry),
                 Endpoint(subjects.DECISIONS, self.on_decision)]
 
     def num_live_workers(self) -> int:

@@ -1,14 +1,11 @@
 """The worker's control plane (issue 5): telemetry out, arbitrator decisions in.
 
-- Telemetry (`kite_shared.messages.WorkerTelemetry`) every KITE_TELEMETRY_INTERVAL_S, and sooner on a
-  significant change: within 100 ms when queue depth, running requests or the standby flag change while
-  requests are in flight; at once when an idle worker admits a request (an idle worker's shape changes
-  only then, so it wakes for nothing else); at once when asked (`publish_soon`: an activation, a
-  decision, the drain); and right before a stream's last event, whose publisher awaits `publish` (routers
-  see the freed slot before the client can send its next turn). The interval's messages and the asked-for
-  ones go to kite.v1.telemetry.worker (the arbitrator and the routers); the load changes between them to
-  kite.v1.load.worker, which only the routers take: the arbitrator evaluates on intervals, and each message
-  it received cost it about 0.3 ms of CPU, two or three per request.
+- Telemetry (`kite_shared.messages.WorkerTelemetry` on kite.v1.telemetry.worker) every
+  KITE_TELEMETRY_INTERVAL_S, and sooner on a significant change: within 100 ms when queue depth, running
+  requests or the standby flag change while requests are in flight; at once when an idle worker admits a
+  request (an idle worker's shape changes only then, so it wakes for nothing else); at once when asked
+  (`publish_soon`: an activation, a decision, the drain); and right before a stream's last event, whose
+  publisher awaits `publish` (routers see the freed slot before the client can send its next turn).
 - Decisions (kite.v1.arbitrator.decisions) for this worker or "*": `write_policy` sets the Upcycle write
   policy (kite_worker.write_policy); `warm_capacity` activates a standby worker (KITE_WORKER_STANDBY: model
   loaded, not taking requests) or scales one in (requests in flight finish). Activation latency = decision
@@ -113,9 +110,8 @@ class WorkerControl:
         self._activation_latency: float | None = None
         self._wanted = asyncio.Event()  # publish at once
         self._wanted.set()  # the first message goes out when the loop starts
-        self._everyone_wanted = True  # ... to the arbitrator too
         self._last_shape: tuple | None = None
-        self._last_interval_sent = 0.0  # monotonic, the last one to kite.v1.telemetry.worker
+        self._last_sent = 0.0
         self._memory_used = (0.0, -_MEMORY_READ_S)  # (fraction, monotonic when read)
 
     async def start(self) -> None:
@@ -130,7 +126,7 @@ class WorkerControl:
         self._accepted += 1
         self._admitted_ids.append(request_id)
         if self._idle_when_sent():
-            self.publish_soon(routers_only=True)  # the loop waits for nothing else while idle (publish_when_due)
+            self.publish_soon()  # the loop waits for nothing else while idle (publish_when_due)
         if self._activation is not None:
             decision_id, issued_at = self._activation
             self._activation = None
@@ -207,24 +203,16 @@ class WorkerControl:
             self._memory_used = (fraction, now)
         return fraction
 
-    def publish_soon(self, routers_only: bool = False) -> None:
-        """Have the telemetry loop publish at once (it is woken, not waited for); to the arbitrator too
-        unless `routers_only` (a load change)."""
-        self._everyone_wanted = self._everyone_wanted or not routers_only
+    def publish_soon(self) -> None:
+        """Have the telemetry loop publish at once (it is woken, not waited for)."""
         self._wanted.set()
 
     async def publish(self) -> None:
-        """Publish telemetry now: to everyone when asked or when the interval's message is due, else to the
-        routers only. Raises what publishing raises: the caller reports it (the runtime's loop)."""
-        now = time.monotonic()
-        everyone = self._everyone_wanted or now - self._last_interval_sent >= self.interval_s
+        """Publish telemetry now. Raises what publishing raises: the caller reports it (the runtime's loop)."""
         self._wanted.clear()
-        self._everyone_wanted = False
         self._last_shape = self._shape()  # before the snapshot: a failing one is retried at the next change
-        if everyone:
-            self._last_interval_sent = now
-        subject = subjects.telemetry("worker") if everyone else subjects.WORKER_LOAD
-        await self.rt.nc.publish(subject, self.snapshot().encode())
+        self._last_sent = time.monotonic()
+        await self.rt.nc.publish(subjects.telemetry("worker"), self.snapshot().encode())
 
     async def publish_when_due(self) -> None:
         """One round of the telemetry loop, which the runtime runs until shutdown (rt.every with no pause:
@@ -232,7 +220,7 @@ class WorkerControl:
         while not self._due():
             # Busy, the shape is polled; idle, only an admission changes it, and `accepted` wakes this
             # loop: an idle worker wakes once an interval (each wake-up costs its event loop CPU).
-            wait_s = (self.interval_s - (time.monotonic() - self._last_interval_sent) if self._idle_when_sent()
+            wait_s = (self.interval_s - (time.monotonic() - self._last_sent) if self._idle_when_sent()
                       else _CHANGE_POLL_S)
             try:
                 async with asyncio.timeout(max(0.0, wait_s)):
@@ -247,7 +235,7 @@ class WorkerControl:
 
     def _due(self) -> bool:
         return (self._wanted.is_set() or self._shape() != self._last_shape
-                or time.monotonic() - self._last_interval_sent >= self.interval_s)
+                or time.monotonic() - self._last_sent >= self.interval_s)
 
     def _shape(self) -> tuple:
         return (*self.worker.occupancy(), self.standby)
