@@ -192,14 +192,14 @@ def cost(w: WorkerState, req: RouteRequest, knobs: RoutingKnobs, extra_queue_us:
 
 
 def known_held(local_blocks: Mapping[str, int] | None, inflight_blocks: Mapping[str, int],
-               session_worker: str = "", session_blocks: int = 0, session_sticks: bool = False
+               session_worker: str = "", session_blocks: int = 0, sticky: bool = False
                ) -> dict[str, int] | None:
     """The leading prompt blocks each worker holds or is computing as far as the router knows: the pool's
     answer (`local_blocks`) with the blocks in flight, the session's worker credited with its previous
     turn's; with no pool answer, only the session's worker when the turn went there without one
-    (`session_sticks`), else None (nothing known). What the router's reservation counts as not to compute."""
+    (`sticky`, what `session_sticks` said), else None (nothing known). What the router's reservation counts as not to compute."""
     if local_blocks is None:
-        return {session_worker: session_blocks} if session_sticks else None
+        return {session_worker: session_blocks} if sticky else None
     held = {w: max(local_blocks.get(w, 0), inflight_blocks.get(w, 0)) for w in {*local_blocks, *inflight_blocks}}
     if session_worker:
         held[session_worker] = max(held.get(session_worker, 0), session_blocks)

@@ -210,7 +210,7 @@ def test_imbalance_needs_both_thresholds():
 
 def test_what_the_router_knows_each_worker_holds():
     assert known_held(None, {}) is None  # no pool answer, no session: nothing known
-    assert known_held(None, {}, "a", 7, session_sticks=True) == {"a": 7}
-    assert known_held(None, {}, "a", 7, session_sticks=False) is None  # costed, but the pool did not answer
+    assert known_held(None, {}, "a", 7, sticky=True) == {"a": 7}
+    assert known_held(None, {}, "a", 7, sticky=False) is None  # costed, but the pool did not answer
     assert known_held({"a": 2, "b": 5}, {"b": 3, "c": 4}, "a", 7) == {"a": 7, "b": 5, "c": 4}
     assert known_held({"a": 9}, {}, "a", 7) == {"a": 9}
